@@ -1,0 +1,101 @@
+"""Array backends: NumPy (the reference) and CuPy (CUDA kernels).
+
+Every public op dispatches on the type of its array arguments. Importing
+cpsparse never requires CuPy, and CuPy installed without a GPU or driver is
+fine: ``cupy`` imports, only device calls fail, and they are never made for
+NumPy inputs.
+"""
+
+import functools
+
+import numpy
+
+__all__ = ["get_array_module", "cupy_module", "is_cupy_array", "gpu_available",
+           "is_stream_capturing"]
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_module():
+    """Return the ``cupy`` module, or None when it cannot be imported.
+
+    A broken CuPy install (wrong CUDA wheel, missing libraries) must not break
+    ``import cpsparse``: any exception at import time counts as "no CuPy".
+    """
+    try:
+        import cupy
+    except Exception:  # noqa: BLE001 - any failure means "no usable CuPy"
+        return None
+    return cupy
+
+
+def is_cupy_array(a):
+    cp = cupy_module()
+    return cp is not None and isinstance(a, cp.ndarray)
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_available():
+    """True when CuPy imports and sees at least one CUDA device."""
+    cp = cupy_module()
+    if cp is None:
+        return False
+    try:
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no driver / no device
+        return False
+
+
+def _backend_name(a):
+    if isinstance(a, numpy.ndarray):
+        return "numpy"
+    if is_cupy_array(a):
+        return "cupy"
+    return None
+
+
+def get_array_module(**arrays):
+    """Return ``numpy`` or ``cupy`` for the named arrays; refuse to mix them.
+
+    Parameters
+    ----------
+    **arrays
+        The op's array arguments by name (``None`` values are ignored).
+
+    Raises
+    ------
+    TypeError
+        If an argument is not a NumPy or CuPy array, or if NumPy and CuPy
+        arrays are mixed (cpsparse never copies between host and device
+        behind the caller's back).
+    """
+    found = {}
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        backend = _backend_name(a)
+        if backend is None:
+            raise TypeError(
+                f"Invalid type of {name}: expected numpy.ndarray or cupy.ndarray, "
+                f"got {type(a).__module__}.{type(a).__qualname__}")
+        found.setdefault(backend, name)
+    if len(found) > 1:
+        raise TypeError(
+            "Mixed array backends: {} is a numpy.ndarray but {} is a cupy.ndarray; "
+            "move both to the same device first".format(found["numpy"], found["cupy"]))
+    if found.get("cupy") is not None:
+        return cupy_module()
+    return numpy
+
+
+def is_stream_capturing(xp):
+    """True when the current CuPy stream is capturing a CUDA graph.
+
+    Host synchronisation (reading a device value) is illegal during capture,
+    so value checks and data-dependent early returns consult this first.
+    """
+    if xp is numpy:
+        return False
+    try:
+        return bool(xp.cuda.get_current_stream().is_capturing())
+    except Exception:  # noqa: BLE001 - older CuPy without capture support
+        return False

@@ -1,0 +1,216 @@
+"""Input validation for every public op: one place, one message style.
+
+Messages follow the pattern "Invalid <what> of <argument>: expected ..., got
+...". Structural checks (type, dtype, ndim, shape, contiguity, backend) run on
+every call. Checks that read array *values* (window bounds, slots, page ids)
+run on host arrays always, and on device arrays unless the current stream is
+capturing a CUDA graph (a device-to-host read is illegal there); they can be
+switched off for device arrays with :func:`cpsparse.set_device_value_checks`.
+"""
+
+import numbers
+
+import numpy
+
+from cpsparse import _backend
+
+_DEVICE_VALUE_CHECKS = [True]
+
+INDEX_DTYPE = numpy.dtype(numpy.int32)
+FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
+
+
+def set_device_value_checks(enabled):
+    """Enable or disable value checks (which synchronise) on CuPy inputs.
+
+    Value checks on NumPy inputs always run. On CuPy inputs they cost a
+    device-to-host copy per call; production loops may turn them off.
+    Returns the previous setting.
+    """
+    previous = _DEVICE_VALUE_CHECKS[0]
+    _DEVICE_VALUE_CHECKS[0] = bool(enabled)
+    return previous
+
+
+def value_checks_enabled(xp):
+    if xp is numpy:
+        return True
+    return _DEVICE_VALUE_CHECKS[0] and not _backend.is_stream_capturing(xp)
+
+
+def _to_host(xp, a):
+    return a if xp is numpy else xp.asnumpy(a)
+
+
+def _dtype_name(dtype):
+    return numpy.dtype(dtype).name
+
+
+def check_array(name, a, *, ndim=None, dtype=None, shape=None, shape_desc=None,
+                contiguous=True):
+    """Check one array argument.
+
+    Parameters
+    ----------
+    name : str
+        The argument's name, used in the message.
+    ndim : int, optional
+    dtype : str or tuple of str, optional
+        Accepted dtype name(s) (``"bfloat16"`` is ml_dtypes' NumPy dtype).
+    shape : tuple, optional
+        Expected shape; ``None`` entries match any size.
+    shape_desc : str, optional
+        Human-readable form of the expected shape, e.g. ``"[M, H, D]"``.
+    contiguous : bool
+        Require C-contiguity (kernels index raw pointers).
+    """
+    if a is None:
+        raise TypeError(f"Invalid {name}: expected an array, got None")
+    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+        raise TypeError(f"Invalid type of {name}: expected numpy.ndarray or cupy.ndarray, "
+                        f"got {type(a).__qualname__}")
+    if ndim is not None and a.ndim != ndim:
+        desc = shape_desc or f"{ndim} dimensions"
+        raise ValueError(f"Invalid shape of {name}: expected {desc} ({ndim}-D), "
+                         f"got {tuple(a.shape)} ({a.ndim}-D)")
+    if dtype is not None:
+        accepted = (dtype,) if isinstance(dtype, str) else tuple(dtype)
+        if _dtype_name(a.dtype) not in accepted:
+            raise TypeError(f"Invalid dtype of {name}: expected {' or '.join(accepted)}, "
+                            f"got {_dtype_name(a.dtype)}")
+    if shape is not None:
+        ok = len(shape) == a.ndim and all(e is None or e == g for e, g in zip(shape, a.shape))
+        if not ok:
+            want = shape_desc or str(tuple(shape))
+            filled = "(" + ", ".join("*" if e is None else str(e) for e in shape) + ")"
+            raise ValueError(f"Invalid shape of {name}: expected {want} = {filled}, "
+                             f"got {tuple(a.shape)}")
+    if contiguous and not a.flags.c_contiguous:
+        raise ValueError(f"Invalid layout of {name}: expected a C-contiguous array, "
+                         f"got strides {tuple(a.strides)} for shape {tuple(a.shape)}")
+    return a
+
+
+def check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"Invalid {name}: expected a positive int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"Invalid {name}: expected a positive int, got {value}")
+    return int(value)
+
+
+def check_nonnegative_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"Invalid {name}: expected a non-negative int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"Invalid {name}: expected a non-negative int, got {value}")
+    return int(value)
+
+
+def check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"Invalid {name}: expected one of {list(choices)}, got {value!r}")
+    return value
+
+
+def check_block_multiple(name, size, block_size):
+    if size % block_size:
+        raise ValueError(f"Invalid last dimension of {name}: expected a multiple of "
+                         f"block_size={block_size}, got {size}")
+
+
+# ---- value checks (read array contents) ------------------------------------
+
+def check_windows(xp, ks, ke, num_keys, *, ks_name="ks", ke_name="ke"):
+    """0 <= ks <= ke <= num_keys for every row."""
+    if not value_checks_enabled(xp) or ks.size == 0:
+        return
+    ks_h = _to_host(xp, ks).astype(numpy.int64)
+    ke_h = _to_host(xp, ke).astype(numpy.int64)
+    bad = numpy.flatnonzero(ks_h > ke_h)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"Invalid window: expected {ks_name} <= {ke_name} for every row, "
+                         f"got {ks_name}[{i}]={ks_h[i]} > {ke_name}[{i}]={ke_h[i]}")
+    bad = numpy.flatnonzero(ks_h < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"Invalid {ks_name}: expected values >= 0, got "
+                         f"{ks_name}[{i}]={ks_h[i]}")
+    bad = numpy.flatnonzero(ke_h > num_keys)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"Invalid {ke_name}: expected values <= {num_keys} (the number of "
+                         f"keys), got {ke_name}[{i}]={ke_h[i]}")
+
+
+def check_context_lens(xp, context_lens, block_table, block_size, max_context_len,
+                       num_blocks=None):
+    """Context lengths are >= 0, fit max_context_len, the block table and the pages."""
+    if not value_checks_enabled(xp) or context_lens.size == 0:
+        return
+    lens = _to_host(xp, context_lens).astype(numpy.int64)
+    lens = lens.reshape(lens.shape[0], -1).max(axis=1)
+    bad = numpy.flatnonzero(lens < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"Invalid context_lens: expected values >= 0, got "
+                         f"{int(lens[i])} for request {i}")
+    longest = int(lens.max())
+    if max_context_len is not None and longest > max_context_len:
+        raise ValueError(f"Invalid max_context_len: expected >= the longest context "
+                         f"length {longest}, got {max_context_len}")
+    check_block_table(xp, lens, block_table, block_size, num_blocks)
+
+
+def check_block_table(xp, lens, block_table, block_size, num_blocks=None):
+    """Each request's pages fit the table and are valid ids (lens: host int64 [R])."""
+    if not value_checks_enabled(xp) or lens.size == 0:
+        return
+    need = -(-lens // block_size)
+    have = block_table.shape[1]
+    bad = numpy.flatnonzero(need > have)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"Invalid shape of block_table: request {i} has context length "
+                         f"{int(lens[i])}, which needs {int(need[i])} blocks of "
+                         f"{block_size}, but block_table has only {have} columns")
+    if num_blocks is None:
+        return
+    table = _to_host(xp, block_table)
+    used = numpy.arange(have)[None, :] < need[:, None]
+    bad = numpy.argwhere(used & ((table < 0) | (table >= num_blocks)))
+    if bad.size:
+        r, j = (int(v) for v in bad[0])
+        raise ValueError(f"Invalid block_table: request {r} uses page id {int(table[r, j])} "
+                         f"in column {j}, expected 0 <= id < num_blocks={num_blocks}")
+
+
+def check_cu_seq_lens(xp, cu_seq_lens, name="cu_seq_lens"):
+    """Non-decreasing and starting at 0; returns host int64 copy."""
+    cu = _to_host(xp, cu_seq_lens).astype(numpy.int64)
+    if cu.size == 0:
+        raise ValueError(f"Invalid shape of {name}: expected [R + 1] with R >= 0, got (0,)")
+    if cu[0] != 0:
+        raise ValueError(f"Invalid {name}: expected {name}[0] == 0, got {int(cu[0])}")
+    bad = numpy.flatnonzero(numpy.diff(cu) < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"Invalid {name}: expected non-decreasing values, got "
+                         f"{name}[{i}]={int(cu[i])} > {name}[{i + 1}]={int(cu[i + 1])}")
+    return cu
+
+
+def check_slots(xp, slots, num_slots, name="slot_mapping", allow_negative_one=True):
+    """Slots in [0, num_slots), or -1 (skip / padding) when allowed."""
+    if not value_checks_enabled(xp) or slots.size == 0:
+        return
+    s = _to_host(xp, slots)
+    low = -1 if allow_negative_one else 0
+    bad = numpy.flatnonzero((s < low) | (s >= num_slots))
+    if bad.size:
+        i = numpy.unravel_index(int(bad[0]), s.shape)
+        idx = ", ".join(str(int(v)) for v in i)
+        allowed = "-1 or " if allow_negative_one else ""
+        raise ValueError(f"Invalid {name}: expected {allowed}0 <= slot < {num_slots}, "
+                         f"got {name}[{idx}]={int(s[i])}")

@@ -1,0 +1,229 @@
+"""MLA attention: sparse over the indexer's top-k rows, and dense causal.
+
+Shapes (DeepSeek-V3.2): a query head is ``[q_nope absorbed by W_UK (512) |
+q_pe (64)]`` = 576 wide; a key is ``[kv_c | k_pe]`` (576); the value is
+``kv_c`` (the first ``d_v`` = 512 columns of the key row). Outputs are
+``out`` [T, H, d_v] and ``lse`` [T, H], both float32, lse in natural log.
+"""
+
+import numpy
+
+from cpsparse import _backend
+from cpsparse import _validation as V
+from cpsparse.cache import MLAKVCache
+from cpsparse.reference import attention as _ref
+from cpsparse.reference import cache as _cache_ref
+
+__all__ = ["sparse_mla_attention", "dense_mla_attention", "local_to_global_slots",
+           "softmax_scale"]
+
+DEFAULT_ROPE_DIM = 64
+
+
+def softmax_scale(qk_nope_head_dim=128, qk_rope_head_dim=64, mscale=None):
+    """``(qk_nope + qk_rope) ** -0.5``, times ``mscale ** 2`` when YaRN is used.
+
+    Examples
+    --------
+    >>> from cpsparse.attention import softmax_scale
+    >>> round(softmax_scale(128, 64), 6)
+    0.072169
+    """
+    scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+    return scale * mscale * mscale if mscale is not None else scale
+
+
+def _kv_source(kv_cache, dqk, d_v):
+    """(rows [S, *] array, decode fn or None, d_v) for any accepted kv_cache form."""
+    if isinstance(kv_cache, MLAKVCache):
+        if kv_cache.head_dim != dqk:
+            raise ValueError(f"Invalid kv_cache: expected kv_lora_rank + rope_dim = {dqk} "
+                             f"(the last dimension of q), got {kv_cache.head_dim}")
+        lora, rope = kv_cache.kv_lora_rank, kv_cache.rope_dim
+        return (kv_cache.records(), lambda rec: _cache_ref.mla_decode(rec, lora, rope),
+                lora if d_v is None else d_v)
+    V.check_array("kv_cache", kv_cache, contiguous=True)
+    if str(kv_cache.dtype) == "uint8":
+        # A raw fp8_ds_mla array: infer L from D = L + R and T = L + L/32 + 2R.
+        if kv_cache.ndim != 3:
+            raise ValueError("Invalid shape of kv_cache: expected [num_blocks, block_size, "
+                             f"token_bytes] for the fp8_ds_mla layout, got {kv_cache.shape}")
+        lora = (2 * dqk - kv_cache.shape[2]) * 32 // 31
+        if lora <= 0 or lora % 128 or _cache_ref.mla_token_bytes(lora, dqk - lora) != \
+                kv_cache.shape[2]:
+            raise ValueError(f"Invalid shape of kv_cache: token_bytes={kv_cache.shape[2]} "
+                             f"matches no fp8_ds_mla layout of head dim {dqk}")
+        return _kv_source(MLAKVCache.wrap(kv_cache, lora, dqk - lora), dqk, d_v)
+    V.check_array("kv_cache", kv_cache, ndim=2, dtype=V.FLOAT_DTYPES, shape=(None, dqk),
+                  shape_desc="[num_slots, D] (dense latent)")
+    return kv_cache, None, (dqk - DEFAULT_ROPE_DIM if d_v is None else d_v)
+
+
+def _check_q(q):
+    V.check_array("q", q, ndim=3, dtype=V.FLOAT_DTYPES, shape_desc="[T, H, D]")
+    return q.shape
+
+
+def _check_d_v(d_v, dqk):
+    d_v = V.check_positive_int("d_v", d_v)
+    if d_v > dqk:
+        raise ValueError(f"Invalid d_v: expected <= the head dim {dqk}, got {d_v}")
+    return d_v
+
+
+def _check_scale(sm_scale):
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, numpy.floating)) \
+            or not numpy.isfinite(sm_scale):
+        raise ValueError(f"Invalid sm_scale: expected a finite float, got {sm_scale!r}")
+    return float(sm_scale)
+
+
+def sparse_mla_attention(q, kv_cache, indices, sm_scale, *, d_v=None):
+    """Attention of each query token over the key rows its top-k selected.
+
+    Parameters
+    ----------
+    q : float [T, H, D]
+        Absorbed queries (D = 576 for DeepSeek-V3.2).
+    kv_cache : MLAKVCache, uint8 [num_blocks, block_size, token_bytes] or float [S, D]
+        The paged fp8_ds_mla cache (dequantized on the fly), or a dense latent
+        workspace (e.g. bf16 rows gathered for prefill).
+    indices : int32 [T, topk]
+        Global slots (``page * block_size + offset``); -1 is masked. A slot
+        listed twice counts twice.
+    sm_scale : float
+        See :func:`softmax_scale`.
+    d_v : int, optional
+        Value width: the first d_v columns of a key row. Default: the cache's
+        kv_lora_rank, or ``D - 64`` for a dense workspace.
+
+    Returns
+    -------
+    out : float32 [T, H, d_v]
+    lse : float32 [T, H]
+        Natural-log sum of exp of the scaled scores; a row with no valid index
+        gets ``out = 0`` and ``lse = -inf``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cpsparse.attention import sparse_mla_attention
+    >>> kv = np.eye(4, 8, dtype=np.float32)                 # 4 slots, D = 8
+    >>> q = np.zeros((1, 2, 8), np.float32)                 # uniform scores
+    >>> out, lse = sparse_mla_attention(q, kv, np.array([[0, 2, -1]], np.int32), 1.0, d_v=4)
+    >>> out[0, 0]                                           # mean of rows 0 and 2
+    array([0.5, 0. , 0.5, 0. ], dtype=float32)
+    >>> np.round(lse[0], 4)                                 # log(2)
+    array([0.6931, 0.6931], dtype=float32)
+    """
+    xp = _backend.get_array_module(q=q, indices=indices,
+                                   kv_cache=kv_cache.data if isinstance(kv_cache, MLAKVCache)
+                                   else kv_cache)
+    tokens, heads, dqk = _check_q(q)
+    rows, decode, d_v = _kv_source(kv_cache, dqk, d_v)
+    d_v = _check_d_v(d_v, dqk)
+    V.check_array("indices", indices, ndim=2, dtype="int32", shape=(tokens, None),
+                  shape_desc="[T, topk]")
+    V.check_slots(xp, indices, rows.shape[0], name="indices")
+    sm_scale = _check_scale(sm_scale)
+    return _ref.sparse_mla_attention(q, rows, indices, sm_scale, d_v, decode)
+
+
+def dense_mla_attention(q, kv, sm_scale, *, cu_seqlens_q=None, cu_seqlens_k=None, d_v=None):
+    """Dense causal MLA attention over packed requests (the short-prefill route).
+
+    Query i of a request with ``q_len`` queries and ``k_len`` keys sees keys
+    ``j < k_len - q_len + i + 1`` (bottom-right aligned, as in FlashAttention's
+    varlen API): the new tokens attend to the whole context and causally to
+    each other.
+
+    Parameters
+    ----------
+    q : float [T, H, D]
+    kv : float [S, D]
+        Dense latent keys of every request, packed.
+    sm_scale : float
+    cu_seqlens_q, cu_seqlens_k : int32 [R + 1], optional
+        Packed offsets; default one request of all T queries and S keys.
+    d_v : int, optional
+        Default ``D - 64``.
+
+    Returns
+    -------
+    out : float32 [T, H, d_v], lse : float32 [T, H]
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cpsparse.attention import dense_mla_attention
+    >>> kv = np.arange(12, dtype=np.float32).reshape(3, 4)
+    >>> out, lse = dense_mla_attention(np.zeros((3, 1, 4), np.float32), kv, 1.0, d_v=2)
+    >>> out[:, 0]            # query i averages keys 0..i
+    array([[0., 1.],
+           [2., 3.],
+           [4., 5.]], dtype=float32)
+    """
+    xp = _backend.get_array_module(q=q, kv=kv, cu_seqlens_q=cu_seqlens_q,
+                                   cu_seqlens_k=cu_seqlens_k)
+    tokens, heads, dqk = _check_q(q)
+    V.check_array("kv", kv, ndim=2, dtype=V.FLOAT_DTYPES, shape=(None, dqk),
+                  shape_desc="[S, D]")
+    d_v = _check_d_v(dqk - DEFAULT_ROPE_DIM if d_v is None else d_v, dqk)
+    sm_scale = _check_scale(sm_scale)
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("Invalid cu_seqlens: expected both cu_seqlens_q and cu_seqlens_k "
+                         "or neither")
+    if cu_seqlens_q is None:
+        cu_q = numpy.array([0, tokens], numpy.int64)
+        cu_k = numpy.array([0, kv.shape[0]], numpy.int64)
+    else:
+        V.check_array("cu_seqlens_q", cu_seqlens_q, ndim=1, dtype="int32",
+                      shape_desc="[R + 1]")
+        V.check_array("cu_seqlens_k", cu_seqlens_k, dtype="int32",
+                      shape=(cu_seqlens_q.shape[0],), shape_desc="[R + 1] (as cu_seqlens_q)")
+        cu_q = V.check_cu_seq_lens(xp, cu_seqlens_q, "cu_seqlens_q")
+        cu_k = V.check_cu_seq_lens(xp, cu_seqlens_k, "cu_seqlens_k")
+        for name, cu, total in (("cu_seqlens_q", cu_q, tokens),
+                                ("cu_seqlens_k", cu_k, kv.shape[0])):
+            if cu[-1] != total:
+                raise ValueError(f"Invalid {name}: expected the last entry to be {total}, "
+                                 f"got {int(cu[-1])}")
+    return _ref.dense_mla_attention(q, kv, sm_scale, d_v, cu_q, cu_k)
+
+
+def local_to_global_slots(indices, req_ids, block_table, block_size=64):
+    """Map request-local top-k positions to global cache slots; -1 stays -1.
+
+    ``slot = block_table[req, pos // block_size] * block_size + pos % block_size``.
+
+    Parameters
+    ----------
+    indices : int32 [T, topk]
+        Positions within each token's request (what :func:`topk_per_row` gives).
+    req_ids : int32 [T]
+        Request of each token (row of ``block_table``).
+    block_table : int32 [R, max_blocks]
+    block_size : int
+
+    Returns
+    -------
+    int32 [T, topk]
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cpsparse.attention import local_to_global_slots
+    >>> local_to_global_slots(np.array([[0, 65, -1]], np.int32), np.array([0], np.int32),
+    ...                       np.array([[7, 3]], np.int32), block_size=64)
+    array([[448, 193,  -1]], dtype=int32)
+    """
+    xp = _backend.get_array_module(indices=indices, req_ids=req_ids, block_table=block_table)
+    block_size = V.check_positive_int("block_size", block_size)
+    V.check_array("indices", indices, ndim=2, dtype="int32", shape_desc="[T, topk]")
+    V.check_array("req_ids", req_ids, dtype="int32", shape=(indices.shape[0],),
+                  shape_desc="[T]")
+    V.check_array("block_table", block_table, ndim=2, dtype="int32",
+                  shape_desc="[R, max_blocks]")
+    V.check_slots(xp, indices, block_table.shape[1] * block_size, name="indices")
+    V.check_slots(xp, req_ids, block_table.shape[0], name="req_ids", allow_negative_one=False)
+    return _ref.local_to_global_slots(indices, req_ids, block_table, block_size)

@@ -1,0 +1,269 @@
+"""Paged caches: the indexer key cache and the fp8_ds_mla MLA cache.
+
+Both are thin owners of one ``uint8`` array in the exact byte layout vLLM
+uses, so a cache made by vLLM (handed over zero-copy through DLPack) can be
+wrapped with :meth:`IndexerKCache.wrap` / :meth:`MLAKVCache.wrap` and read by
+cpsparse, and the other way round.
+"""
+
+import numpy
+
+from cpsparse import _backend
+from cpsparse import _validation as V
+from cpsparse.reference import cache as _ref
+from cpsparse.reference import fp8 as _fp8
+
+__all__ = ["IndexerKCache", "MLAKVCache"]
+
+
+def _module(xp):
+    if xp is numpy or xp == "numpy":
+        return numpy
+    cp = _backend.cupy_module()
+    if cp is not None and (xp is cp or xp == "cupy"):
+        return cp
+    raise ValueError(f"Invalid xp: expected numpy or cupy (the module or its name), got {xp!r}")
+
+
+def _check_slot_mapping(xp, slot_mapping, n, num_slots):
+    V.check_array("slot_mapping", slot_mapping, dtype="int32", shape=(n,),
+                  shape_desc="[N] (one slot per key)")
+    V.check_slots(xp, slot_mapping, num_slots)
+
+
+class IndexerKCache:
+    """Paged FP8 key cache of the lightning indexer (vLLM byte layout).
+
+    ``data`` is ``uint8 [num_blocks, block_size * (head_dim + 4)]``. Inside a
+    page the first ``block_size * head_dim`` bytes are the e4m3 codes,
+    token-major; the last ``4 * block_size`` bytes are one float32 scale per
+    token. Slot ``s`` is page ``s // block_size``, offset ``s % block_size``.
+
+    Parameters
+    ----------
+    num_blocks : int
+    block_size : int
+        Tokens per page (64 in DeepSeek-V3.2).
+    head_dim : int
+        Indexer head dimension D (128); one scale per key (quant block = D).
+    xp : module or str
+        ``numpy`` or ``cupy``: where the pages live.
+    scale_fmt : {"ue8m0", None}
+        Scale format used by :meth:`insert` (DeepSeek-V3.2 uses ue8m0).
+
+    Examples
+    --------
+    >>> import numpy as np, cpsparse
+    >>> cache = cpsparse.IndexerKCache(num_blocks=4, block_size=64, head_dim=128)
+    >>> cache.data.shape
+    (4, 8448)
+    >>> k = np.random.default_rng(0).standard_normal((3, 128)).astype(np.float32)
+    >>> cache.insert(k, np.array([5, -1, 130], dtype=np.int32))   # -1 is skipped
+    >>> codes, scales = cache.gather(np.array([[0, 1, 2]], np.int32),
+    ...                              np.array([0, 131], np.int32))
+    >>> codes.shape, scales.shape
+    ((131, 128), (131,))
+    >>> bool(np.array_equal(codes[5], cpsparse.quantize_fp8(k[:1])[0][0]))
+    True
+    """
+
+    KEY_EPS = 1e-4
+
+    def __init__(self, num_blocks, block_size=64, head_dim=128, xp=numpy, scale_fmt="ue8m0"):
+        xp = _module(xp)
+        V.check_nonnegative_int("num_blocks", num_blocks)
+        self._setup(xp.zeros((num_blocks, block_size * (V.check_positive_int(
+            "head_dim", head_dim) + 4)), dtype=xp.uint8), block_size, head_dim, scale_fmt)
+
+    @classmethod
+    def wrap(cls, data, block_size=64, head_dim=128, scale_fmt="ue8m0"):
+        """Use an existing ``uint8 [num_blocks, block_size * (head_dim + 4)]`` array."""
+        self = cls.__new__(cls)
+        _backend.get_array_module(data=data)
+        V.check_array("data", data, ndim=2, dtype="uint8",
+                      shape=(None, block_size * (head_dim + 4)),
+                      shape_desc="[num_blocks, block_size * (head_dim + 4)]")
+        self._setup(data, block_size, head_dim, scale_fmt)
+        return self
+
+    def _setup(self, data, block_size, head_dim, scale_fmt):
+        self.block_size = V.check_positive_int("block_size", block_size)
+        self.head_dim = V.check_positive_int("head_dim", head_dim)
+        self.scale_fmt = V.check_choice("scale_fmt", scale_fmt, ("ue8m0", None))
+        self.data = data
+        self.xp = _backend.get_array_module(data=data)
+
+    @property
+    def num_blocks(self):
+        return self.data.shape[0]
+
+    @property
+    def num_slots(self):
+        return self.num_blocks * self.block_size
+
+    @property
+    def page_bytes(self):
+        return self.block_size * (self.head_dim + 4)
+
+    def __repr__(self):
+        return (f"IndexerKCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"head_dim={self.head_dim}, xp={self.xp.__name__})")
+
+    def codes_view(self):
+        """uint8 [num_blocks, block_size, head_dim] view of the codes (no copy)."""
+        bs, d = self.block_size, self.head_dim
+        return self.data[:, :bs * d].reshape(self.num_blocks, bs, d)
+
+    def scales_view(self):
+        """float32 [num_blocks, block_size] view of the per-token scales (no copy)."""
+        return self.data[:, self.block_size * self.head_dim:].view(self.xp.float32)
+
+    def insert(self, k, slot_mapping):
+        """Quantize keys ``k`` [N, head_dim] (one ue8m0 scale each) and store them.
+
+        Slot -1 is skipped (padding tokens). Two keys for one slot: the last wins.
+        """
+        xp = _backend.get_array_module(k=k, slot_mapping=slot_mapping, data=self.data)
+        V.check_array("k", k, ndim=2, dtype=V.FLOAT_DTYPES, shape=(None, self.head_dim),
+                      shape_desc="[N, head_dim]")
+        _check_slot_mapping(xp, slot_mapping, k.shape[0], self.num_slots)
+        codes, scales = _fp8.quantize_groups(k, self.head_dim, self.scale_fmt, self.KEY_EPS)
+        _ref.indexer_insert(self.data, self.block_size, self.head_dim, codes,
+                            scales.reshape(-1), slot_mapping)
+
+    def insert_quantized(self, codes, scales, slot_mapping):
+        """Store already quantized keys: codes uint8 [N, head_dim], scales float32 [N]."""
+        xp = _backend.get_array_module(codes=codes, scales=scales, slot_mapping=slot_mapping,
+                                       data=self.data)
+        V.check_array("codes", codes, ndim=2, dtype="uint8", shape=(None, self.head_dim),
+                      shape_desc="[N, head_dim]")
+        V.check_array("scales", scales, dtype="float32", shape=(codes.shape[0],),
+                      shape_desc="[N]")
+        _check_slot_mapping(xp, slot_mapping, codes.shape[0], self.num_slots)
+        _ref.indexer_insert(self.data, self.block_size, self.head_dim, codes, scales,
+                            slot_mapping)
+
+    def gather(self, block_table, cu_seq_lens):
+        """Read the keys of a packed batch of requests.
+
+        Parameters
+        ----------
+        block_table : int32 [R, max_blocks]
+            Page ids of each request, in position order.
+        cu_seq_lens : int32 [R + 1]
+            Cumulative key counts; request r owns rows ``cu[r]:cu[r+1]``.
+
+        Returns
+        -------
+        codes : uint8 [N, head_dim], scales : float32 [N]
+            ``N = cu_seq_lens[-1]``; row n of request r is position
+            ``n - cu[r]`` of that request.
+        """
+        xp = _backend.get_array_module(block_table=block_table, cu_seq_lens=cu_seq_lens,
+                                       data=self.data)
+        V.check_array("block_table", block_table, ndim=2, dtype="int32",
+                      shape_desc="[R, max_blocks]")
+        V.check_array("cu_seq_lens", cu_seq_lens, dtype="int32",
+                      shape=(block_table.shape[0] + 1,), shape_desc="[R + 1]")
+        cu = V.check_cu_seq_lens(xp, cu_seq_lens)
+        lens = numpy.diff(cu)
+        V.check_block_table(xp, lens, block_table, self.block_size, self.num_blocks)
+        blocks, offsets = _ref.request_positions(cu, block_table, self.block_size)
+        return _ref.indexer_read(self.data, self.block_size, self.head_dim, blocks, offsets)
+
+
+class MLAKVCache:
+    """Paged MLA latent cache in the ``fp8_ds_mla`` layout (FlashMLA, vLLM).
+
+    ``data`` is ``uint8 [num_blocks, block_size, token_bytes]``; each token
+    record holds ``kv_lora_rank`` e4m3 codes of the latent ``kv_c``, one
+    float32 scale per 128 of them (``max(amax / 448, FLT_MIN)``, not a power of
+    two), then ``rope_dim`` bfloat16 values of ``k_pe``: 656 bytes for
+    DeepSeek-V3.2 (512 + 16 + 128).
+
+    Parameters
+    ----------
+    num_blocks, block_size : int
+    kv_lora_rank : int
+        Latent width L, a multiple of 128 (512).
+    rope_dim : int
+        RoPE width R (64).
+    xp : module or str
+
+    Examples
+    --------
+    >>> import numpy as np, cpsparse
+    >>> cache = cpsparse.MLAKVCache(num_blocks=2, block_size=64)
+    >>> cache.data.shape
+    (2, 64, 656)
+    >>> rng = np.random.default_rng(0)
+    >>> kv_c = rng.standard_normal((2, 512)).astype(np.float32)
+    >>> k_pe = rng.standard_normal((2, 64)).astype(np.float32)
+    >>> cache.insert(kv_c, k_pe, np.array([0, 70], np.int32))
+    >>> rows = cache.gather(np.array([70, 0], np.int32))      # float32 [2, 576]
+    >>> bool(np.abs(rows[0, :512] - kv_c[1]).max() < 0.07 * np.abs(kv_c[1]).max())
+    True
+    """
+
+    def __init__(self, num_blocks, block_size=64, kv_lora_rank=512, rope_dim=64, xp=numpy):
+        xp = _module(xp)
+        V.check_nonnegative_int("num_blocks", num_blocks)
+        V.check_positive_int("kv_lora_rank", kv_lora_rank)
+        V.check_nonnegative_int("rope_dim", rope_dim)
+        V.check_block_multiple("kv_c", kv_lora_rank, _ref.MLA_QUANT_BLOCK)
+        nbytes = _ref.mla_token_bytes(kv_lora_rank, rope_dim)
+        data = xp.zeros((num_blocks, V.check_positive_int("block_size", block_size), nbytes),
+                        dtype=xp.uint8)
+        self._setup(data, kv_lora_rank, rope_dim)
+
+    @classmethod
+    def wrap(cls, data, kv_lora_rank=512, rope_dim=64):
+        """Use an existing ``uint8 [num_blocks, block_size, token_bytes]`` array."""
+        self = cls.__new__(cls)
+        _backend.get_array_module(data=data)
+        V.check_block_multiple("kv_c", kv_lora_rank, _ref.MLA_QUANT_BLOCK)
+        V.check_array("data", data, ndim=3, dtype="uint8",
+                      shape=(None, None, _ref.mla_token_bytes(kv_lora_rank, rope_dim)),
+                      shape_desc="[num_blocks, block_size, token_bytes]")
+        self._setup(data, kv_lora_rank, rope_dim)
+        return self
+
+    def _setup(self, data, kv_lora_rank, rope_dim):
+        self.data = data
+        self.kv_lora_rank = kv_lora_rank
+        self.rope_dim = rope_dim
+        self.xp = _backend.get_array_module(data=data)
+
+    num_blocks = property(lambda self: self.data.shape[0])
+    block_size = property(lambda self: self.data.shape[1])
+    token_bytes = property(lambda self: self.data.shape[2])
+    num_slots = property(lambda self: self.data.shape[0] * self.data.shape[1])
+    head_dim = property(lambda self: self.kv_lora_rank + self.rope_dim)
+
+    def __repr__(self):
+        return (f"MLAKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"kv_lora_rank={self.kv_lora_rank}, rope_dim={self.rope_dim}, "
+                f"xp={self.xp.__name__})")
+
+    def records(self):
+        """uint8 [num_slots, token_bytes] view: one record per slot."""
+        return self.data.reshape(-1, self.token_bytes)
+
+    def insert(self, kv_c, k_pe, slot_mapping):
+        """Quantize and store latents kv_c [N, L] and RoPE keys k_pe [N, R]; slot -1 skipped."""
+        xp = _backend.get_array_module(kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping,
+                                       data=self.data)
+        V.check_array("kv_c", kv_c, ndim=2, dtype=V.FLOAT_DTYPES,
+                      shape=(None, self.kv_lora_rank), shape_desc="[N, kv_lora_rank]")
+        V.check_array("k_pe", k_pe, ndim=2, dtype=V.FLOAT_DTYPES,
+                      shape=(kv_c.shape[0], self.rope_dim), shape_desc="[N, rope_dim]")
+        _check_slot_mapping(xp, slot_mapping, kv_c.shape[0], self.num_slots)
+        _ref.mla_insert(self.data, _ref.mla_encode(kv_c, k_pe), slot_mapping)
+
+    def gather(self, slots):
+        """Dequantized rows float32 [N, L + R] of global ``slots`` [N] (no -1)."""
+        xp = _backend.get_array_module(slots=slots, data=self.data)
+        V.check_array("slots", slots, ndim=1, dtype="int32", shape_desc="[N]")
+        V.check_slots(xp, slots, self.num_slots, name="slots", allow_negative_one=False)
+        return _ref.mla_decode(self.records()[slots.astype(xp.int64)], self.kv_lora_rank,
+                               self.rope_dim)

@@ -1,0 +1,93 @@
+"""FP8 (OCP e4m3fn) group quantization.
+
+See ``DESIGN.md`` section 3 and :mod:`cpsparse.reference.fp8` for the exact
+arithmetic (bit for bit what the CUDA kernels reproduce).
+"""
+
+import math
+
+from cpsparse import _backend
+from cpsparse import _validation as V
+from cpsparse.reference import fp8 as _ref
+
+__all__ = ["quantize_fp8", "dequantize_fp8", "E4M3_MAX"]
+
+E4M3_MAX = _ref.E4M3_MAX
+SCALE_FORMATS = ("ue8m0", None)
+
+
+def quantize_fp8(x, block_size=128, scale_fmt="ue8m0", eps=1e-4):
+    """Quantize the last axis of ``x`` to e4m3fn codes in groups of ``block_size``.
+
+    Parameters
+    ----------
+    x : ndarray of float16, float32, float64 or bfloat16, shape [..., L]
+        ``L`` must be a multiple of ``block_size``.
+    block_size : int
+        Values per scale (``quant_block_size``), 128 in DeepSeek-V3.2.
+    scale_fmt : {"ue8m0", None}
+        ``"ue8m0"`` rounds every scale up to a power of two (what the indexer
+        uses); ``None`` keeps the plain float32 scale ``max(amax, eps) / 448``.
+    eps : float
+        Floor of ``amax`` (1e-4 for indexer keys, 1e-10 for queries).
+
+    Returns
+    -------
+    codes : ndarray of uint8, same shape as ``x``
+        e4m3fn bit patterns (CuPy has no fp8 dtype; view them as
+        ``ml_dtypes.float8_e4m3fn`` on the host if you like).
+    scales : ndarray of float32, shape [..., L // block_size]
+
+    Examples
+    --------
+    >>> import numpy as np, cpsparse
+    >>> x = np.array([[0.5, -1.0, 2.0, 3.5]], dtype=np.float32)
+    >>> codes, scales = cpsparse.quantize_fp8(x, block_size=4)
+    >>> scales           # 3.5 / 448 rounded up to a power of two
+    array([[0.0078125]], dtype=float32)
+    >>> cpsparse.dequantize_fp8(codes, scales, block_size=4)
+    array([[ 0.5, -1. ,  2. ,  3.5]], dtype=float32)
+    """
+    _backend.get_array_module(x=x)
+    block_size = V.check_positive_int("block_size", block_size)
+    V.check_array("x", x, dtype=V.FLOAT_DTYPES)
+    if x.ndim < 1:
+        raise ValueError(f"Invalid shape of x: expected at least 1 dimension, got {x.shape}")
+    V.check_block_multiple("x", x.shape[-1], block_size)
+    V.check_choice("scale_fmt", scale_fmt, SCALE_FORMATS)
+    if not isinstance(eps, (int, float)) or not (eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"Invalid eps: expected a finite float > 0, got {eps!r}")
+    return _ref.quantize_groups(x, block_size, scale_fmt, eps)
+
+
+def dequantize_fp8(codes, scales, block_size=128):
+    """Decode e4m3fn ``codes`` and multiply each group by its scale.
+
+    Parameters
+    ----------
+    codes : ndarray of uint8, shape [..., L]
+    scales : ndarray of float32, shape [..., L // block_size]
+    block_size : int
+
+    Returns
+    -------
+    ndarray of float32, shape [..., L]
+
+    Examples
+    --------
+    >>> import numpy as np, cpsparse
+    >>> codes = np.array([[0x38, 0xB8]], dtype=np.uint8)   # +1.0 and -1.0
+    >>> cpsparse.dequantize_fp8(codes, np.array([[0.25]], np.float32), block_size=2)
+    array([[ 0.25, -0.25]], dtype=float32)
+    """
+    _backend.get_array_module(codes=codes, scales=scales)
+    block_size = V.check_positive_int("block_size", block_size)
+    V.check_array("codes", codes, dtype="uint8")
+    if codes.ndim < 1:
+        raise ValueError(f"Invalid shape of codes: expected at least 1 dimension, "
+                         f"got {codes.shape}")
+    V.check_block_multiple("codes", codes.shape[-1], block_size)
+    groups = codes.shape[-1] // block_size
+    V.check_array("scales", scales, dtype="float32", shape=codes.shape[:-1] + (groups,),
+                  shape_desc="[..., L // block_size]")
+    return _ref.dequantize_groups(codes, scales, block_size)

@@ -1,0 +1,341 @@
+"""The lightning indexer: FP8 scoring of every earlier key, and per-row top-k.
+
+Public ops validate their arguments (one message style, before any launch),
+then dispatch on the array type: NumPy arrays run the reference
+(:mod:`cpsparse.reference.indexer`); CuPy arrays stay on the device.
+
+The formula (``DESIGN.md`` section 5), for query token t and key s in its
+window::
+
+    I[t, s] = s_k[s] * sum_h W[t, h] * relu(sum_d q8[t, h, d] * k8[s, d])
+
+with ``W`` the head weights with the query scale folded in
+(:func:`fold_weights`). Entries outside the window are ``-inf``.
+"""
+
+import numpy
+
+from cpsparse import _backend
+from cpsparse import _validation as V
+from cpsparse.cache import IndexerKCache
+from cpsparse.reference import indexer as _ref
+
+__all__ = ["mqa_logits", "paged_mqa_logits", "topk_per_row", "topk_per_row_decode",
+           "fold_weights", "hadamard_rotate", "decode_row_ends"]
+
+
+def fold_weights(weights, q_scales, head_dim=128):
+    """Fold the per-(token, head) query scale into the indexer head weights.
+
+    ``W[t, h] = weights[t, h] * q_scales[t, h] * head_dim**-0.5 * H**-0.5``.
+
+    Parameters
+    ----------
+    weights : float32 [T, H]
+        Output of the indexer's ``weights_proj``.
+    q_scales : float32 [T, H] or [T, H, 1]
+        Query scales from :func:`cpsparse.quantize_fp8` with
+        ``block_size=head_dim``.
+    head_dim : int
+
+    Returns
+    -------
+    float32 [T, H]
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cpsparse.indexer import fold_weights
+    >>> fold_weights(np.ones((1, 4), np.float32), np.full((1, 4), 2, np.float32), 16)
+    array([[0.25, 0.25, 0.25, 0.25]], dtype=float32)
+    """
+    _backend.get_array_module(weights=weights, q_scales=q_scales)
+    V.check_positive_int("head_dim", head_dim)
+    V.check_array("weights", weights, ndim=2, dtype="float32", shape_desc="[T, H]")
+    if q_scales is None or tuple(getattr(q_scales, "shape", ())) not in (
+            weights.shape, weights.shape + (1,)):
+        V.check_array("q_scales", q_scales, shape=weights.shape, shape_desc="[T, H] or [T, H, 1]")
+    V.check_array("q_scales", q_scales, dtype="float32", contiguous=False)
+    return _ref.fold_weights(weights, q_scales, head_dim)
+
+
+def hadamard_rotate(x):
+    """Rotate the last axis by the normalised Hadamard matrix: ``x @ H_n / sqrt(n)``.
+
+    DeepSeek-V3.2's indexer applies this to q and k (n = 128) before FP8
+    quantization, which spreads outliers across the group. ``H_n`` is the
+    Sylvester-ordered matrix of :func:`scipy.linalg.hadamard`; the rotation is
+    orthogonal and its own inverse.
+
+    Parameters
+    ----------
+    x : float [..., n], n a power of two
+
+    Returns
+    -------
+    float32 [..., n]
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cpsparse.indexer import hadamard_rotate
+    >>> hadamard_rotate(np.array([1.0, 0.0, 0.0, 0.0], np.float32))
+    array([0.5, 0.5, 0.5, 0.5], dtype=float32)
+    """
+    _backend.get_array_module(x=x)
+    V.check_array("x", x, dtype=V.FLOAT_DTYPES, contiguous=False)
+    n = x.shape[-1] if x.ndim else 0
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Invalid last dimension of x: expected a power of two, got {n}")
+    return _ref.hadamard_rotate(x)
+
+
+def _check_heads(q_name, q_codes, weights, rows):
+    heads = q_codes.shape[-2]
+    V.check_array("weights", weights, ndim=2, dtype="float32", shape=(rows, heads),
+                  shape_desc=f"[{'M' if q_codes.ndim == 3 else 'B * next_n'}, H]")
+
+
+def mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke):
+    """Prefill indexer logits over a contiguous key array (ragged causal windows).
+
+    Parameters
+    ----------
+    q_codes : uint8 [M, H, D]
+        e4m3 codes of the queries (one scale per (token, head), folded into
+        ``weights``).
+    k_codes : uint8 [N, D]
+        e4m3 codes of the keys, e.g. from :meth:`cpsparse.IndexerKCache.gather`.
+    k_scales : float32 [N]
+    weights : float32 [M, H]
+        Head weights with the query scales folded in (:func:`fold_weights`).
+    ks, ke : int32 [M]
+        Window of each query, ``[ks, ke)`` in key rows. For query i of request
+        r with context length ctx: ``ks = cu[r]``, ``ke = cu[r] + ctx + i + 1``.
+
+    Returns
+    -------
+    float32 [M, N]
+        ``-inf`` outside each row's window.
+
+    Examples
+    --------
+    >>> import numpy as np, cpsparse
+    >>> from cpsparse.indexer import mqa_logits
+    >>> rng = np.random.default_rng(0)
+    >>> q8, qs = cpsparse.quantize_fp8(rng.standard_normal((3, 8, 128)).astype(np.float32),
+    ...                                eps=1e-10)
+    >>> k8, ksc = cpsparse.quantize_fp8(rng.standard_normal((3, 128)).astype(np.float32))
+    >>> w = np.ones((3, 8), np.float32) * qs[..., 0]
+    >>> logits = mqa_logits(q8, k8, ksc[:, 0], w, np.zeros(3, np.int32),
+    ...                     np.arange(1, 4, dtype=np.int32))
+    >>> np.isinf(logits)        # causal: query i sees keys 0..i
+    array([[False,  True,  True],
+           [False, False,  True],
+           [False, False, False]])
+    """
+    xp = _backend.get_array_module(q_codes=q_codes, k_codes=k_codes, k_scales=k_scales,
+                                   weights=weights, ks=ks, ke=ke)
+    V.check_array("q_codes", q_codes, ndim=3, dtype="uint8", shape_desc="[M, H, D]")
+    m, heads, dim = q_codes.shape
+    V.check_array("k_codes", k_codes, ndim=2, dtype="uint8", shape=(None, dim),
+                  shape_desc="[N, D]")
+    n = k_codes.shape[0]
+    V.check_array("k_scales", k_scales, dtype="float32", shape=(n,), shape_desc="[N]")
+    _check_heads("q_codes", q_codes, weights, m)
+    V.check_array("ks", ks, dtype="int32", shape=(m,), shape_desc="[M]")
+    V.check_array("ke", ke, dtype="int32", shape=(m,), shape_desc="[M]")
+    V.check_windows(xp, ks, ke, n)
+    return _ref.mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke)
+
+
+def _cache_of(cache, dim):
+    if isinstance(cache, IndexerKCache):
+        if cache.head_dim != dim:
+            raise ValueError(f"Invalid cache: expected head_dim={dim} (the last dimension of "
+                             f"q_codes), got an IndexerKCache with head_dim={cache.head_dim}")
+        return cache
+    if hasattr(cache, "dtype") and getattr(cache, "ndim", 0) == 2:
+        page = cache.shape[1]
+        if page % (dim + 4):
+            raise ValueError(f"Invalid shape of cache: expected [num_blocks, block_size * "
+                             f"(D + 4)] with D={dim}, got {tuple(cache.shape)}")
+        return IndexerKCache.wrap(cache, block_size=page // (dim + 4), head_dim=dim)
+    raise TypeError(f"Invalid type of cache: expected IndexerKCache or a uint8 [num_blocks, "
+                    f"block_size * (D + 4)] array, got {type(cache).__qualname__}")
+
+
+def _check_decode_lens(context_lens, batch, next_n):
+    if getattr(context_lens, "ndim", None) == 2:
+        V.check_array("context_lens", context_lens, dtype="int32", shape=(batch, next_n),
+                      shape_desc="[B] or [B, next_n]")
+    else:
+        V.check_array("context_lens", context_lens, dtype="int32", shape=(batch,),
+                      shape_desc="[B] or [B, next_n]")
+
+
+def paged_mqa_logits(q_codes, cache, weights, context_lens, block_table, max_context_len):
+    """Decode indexer logits straight from the paged key cache.
+
+    Parameters
+    ----------
+    q_codes : uint8 [B, next_n, H, D]
+        ``next_n = 1 +`` the number of speculative tokens.
+    cache : IndexerKCache or uint8 [num_blocks, block_size * (D + 4)]
+    weights : float32 [B * next_n, H]
+    context_lens : int32 [B] or [B, next_n]
+        1-D: total length L_b including the new tokens; row (b, j) sees
+        positions ``< L_b - next_n + j + 1``. 2-D: row (b, j) sees positions
+        ``< context_lens[b, j]``.
+    block_table : int32 [B, max_blocks]
+    max_context_len : int
+        Width of the output (>= every context length).
+
+    Returns
+    -------
+    float32 [B * next_n, max_context_len]
+        ``-inf`` at positions a row does not see.
+
+    Examples
+    --------
+    >>> import numpy as np, cpsparse
+    >>> from cpsparse.indexer import paged_mqa_logits
+    >>> rng = np.random.default_rng(0)
+    >>> cache = cpsparse.IndexerKCache(num_blocks=2, block_size=64, head_dim=128)
+    >>> cache.insert(rng.standard_normal((70, 128)).astype(np.float32),
+    ...              np.arange(70, dtype=np.int32))
+    >>> q8, qs = cpsparse.quantize_fp8(rng.standard_normal((1, 2, 8, 128)).astype(np.float32),
+    ...                                eps=1e-10)
+    >>> w = np.ones((2, 8), np.float32)
+    >>> logits = paged_mqa_logits(q8, cache, w, np.array([70], np.int32),
+    ...                           np.array([[0, 1]], np.int32), max_context_len=72)
+    >>> np.isfinite(logits).sum(axis=1)     # next_n=2: rows see 69 and 70 keys
+    array([69, 70])
+    """
+    xp = _backend.get_array_module(q_codes=q_codes, weights=weights, context_lens=context_lens,
+                                   block_table=block_table,
+                                   cache=cache.data if isinstance(cache, IndexerKCache)
+                                   else cache)
+    V.check_array("q_codes", q_codes, ndim=4, dtype="uint8", shape_desc="[B, next_n, H, D]")
+    batch, next_n, heads, dim = q_codes.shape
+    cache = _cache_of(cache, dim)
+    _check_heads("q_codes", q_codes, weights, batch * next_n)
+    _check_decode_lens(context_lens, batch, next_n)
+    V.check_array("block_table", block_table, ndim=2, dtype="int32", shape=(batch, None),
+                  shape_desc="[B, max_blocks]")
+    max_context_len = V.check_nonnegative_int("max_context_len", max_context_len)
+    V.check_context_lens(xp, context_lens, block_table, cache.block_size, max_context_len,
+                         cache.num_blocks)
+    return _ref.paged_mqa_logits(q_codes, cache.data, cache.block_size, weights, context_lens,
+                                 block_table, max_context_len)
+
+
+def _check_out(xp, out, rows, k):
+    """A fresh int32 [rows, k] array, or the caller's ``out`` once checked.
+
+    (get_array_module has already refused an ``out`` on the other backend.)
+    """
+    if out is None:
+        return xp.empty((rows, k), dtype=xp.int32)
+    V.check_array("out", out, ndim=2, dtype="int32", shape=(rows, k), shape_desc="[M, k]")
+    return out
+
+
+def topk_per_row(logits, row_starts, row_ends, k, out=None):
+    """Indices of the k largest logits of each row's window ``[row_start, row_end)``.
+
+    Parameters
+    ----------
+    logits : float32 [M, N]
+    row_starts, row_ends : int32 [M]
+        Window of each row (end exclusive), ``0 <= start <= end <= N``.
+    k : int
+        ``index_topk`` (2048 in DeepSeek-V3.2; 512 and 1024 work too).
+    out : int32 [M, k], optional
+        Where to write (e.g. rows of the shared ``topk_indices_buffer``).
+
+    Returns
+    -------
+    int32 [M, k]
+        Positions relative to ``row_start``. A row no longer than k gets
+        ``0 .. len-1`` ascending then -1 (no values read). A longer row gets
+        exactly k positions holding its k largest values, largest first,
+        ties to the lower position. NaN ranks below every number, ``-inf``
+        included, so it is chosen only when nothing else is left.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cpsparse.indexer import topk_per_row
+    >>> logits = np.array([[0.1, 0.9, 0.5, 0.7],
+    ...                    [3.0, 1.0, 2.0, 0.0]], np.float32)
+    >>> topk_per_row(logits, np.array([0, 1], np.int32), np.array([4, 2], np.int32), k=2)
+    array([[ 1,  3],
+           [ 0, -1]], dtype=int32)
+
+    Row 1's window ``[1, 2)`` is no longer than k, so it takes the shortcut.
+    """
+    xp = _backend.get_array_module(logits=logits, row_starts=row_starts, row_ends=row_ends,
+                                   out=out)
+    k = V.check_positive_int("k", k)
+    V.check_array("logits", logits, ndim=2, dtype="float32", shape_desc="[M, N]")
+    m, n = logits.shape
+    V.check_array("row_starts", row_starts, dtype="int32", shape=(m,), shape_desc="[M]")
+    V.check_array("row_ends", row_ends, dtype="int32", shape=(m,), shape_desc="[M]")
+    out = _check_out(xp, out, m, k)
+    V.check_windows(xp, row_starts, row_ends, n, ks_name="row_starts", ke_name="row_ends")
+    return _ref.topk_per_row(logits, row_starts, row_ends, k, out=out)
+
+
+def decode_row_ends(context_lens, next_n):
+    """int64 [B * next_n]: where each decode row's window ends (see paged_mqa_logits)."""
+    return _ref.decode_row_ends(context_lens, next_n)
+
+
+def topk_per_row_decode(logits, context_lens, next_n, k, out=None):
+    """Top-k of decode rows: row (b, j) covers positions ``[0, end)`` as in
+    :func:`paged_mqa_logits`.
+
+    Parameters
+    ----------
+    logits : float32 [B * next_n, W]
+    context_lens : int32 [B] or [B, next_n]
+    next_n : int
+    k : int
+    out : int32 [B * next_n, k], optional
+
+    Returns
+    -------
+    int32 [B * next_n, k], same rules as :func:`topk_per_row`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cpsparse.indexer import topk_per_row_decode
+    >>> logits = np.array([[5, 1, 4, 9], [5, 1, 4, 9]], np.float32)
+    >>> topk_per_row_decode(logits, np.array([4], np.int32), next_n=2, k=2)
+    array([[0, 2],
+           [3, 0]], dtype=int32)
+    """
+    xp = _backend.get_array_module(logits=logits, context_lens=context_lens, out=out)
+    k = V.check_positive_int("k", k)
+    next_n = V.check_positive_int("next_n", next_n)
+    V.check_array("logits", logits, ndim=2, dtype="float32", shape_desc="[B * next_n, W]")
+    rows, width = logits.shape
+    if rows % next_n:
+        raise ValueError(f"Invalid shape of logits: expected [B * next_n, W] with "
+                         f"next_n={next_n}, got {tuple(logits.shape)}")
+    _check_decode_lens(context_lens, rows // next_n, next_n)
+    out = _check_out(xp, out, rows, k)
+    if V.value_checks_enabled(xp) and rows:
+        longest = int(decode_row_ends(context_lens, next_n).max())
+        if longest > width:
+            raise ValueError(f"Invalid shape of logits: a row's window ends at {longest}, "
+                             f"past the logits width {width}")
+        if int(context_lens.min()) < 0:
+            raise ValueError("Invalid context_lens: expected values >= 0, got "
+                             f"{int(context_lens.min())}")
+    return _ref.topk_per_row_decode(logits, context_lens, next_n, k, out=out)
+
+
+del numpy

@@ -1,0 +1,3 @@
+"""CUDA C++ sources of cpsparse's kernels (``.cu``/``.cuh`` files beside this
+module) and the loader that compiles them with ``cupy.RawModule``.
+"""

@@ -1,0 +1,110 @@
+"""Byte layouts of the two paged caches, array-generic (no validation here).
+
+Indexer key cache (vLLM, byte-compatible): ``uint8 [num_blocks, B * (D + 4)]``.
+Inside a page: ``B * D`` fp8 codes, token-major, then ``B`` float32 scales.
+
+MLA cache ``fp8_ds_mla`` (FlashMLA / vLLM): ``uint8 [num_blocks, B, T]`` with
+one record of ``T = L + 4 * (L // 128) + 2 * R`` bytes per token (656 for
+L = 512, R = 64): L e4m3 codes of the latent, L // 128 float32 scales, then R
+bfloat16 RoPE values.
+"""
+
+import numpy
+
+from cpsparse.reference import fp8
+from cpsparse.reference._xp import xp_of
+
+MLA_QUANT_BLOCK = 128
+
+
+def _as_u8(xp, a, n):
+    """Little-endian bytes of a 4- or 2-byte array, shaped [..., n]."""
+    a = xp.ascontiguousarray(a)
+    return a.view(xp.uint8).reshape(a.shape[:-1] + (n,)) if a.ndim else a.view(xp.uint8)
+
+
+# ---- indexer key cache -------------------------------------------------------
+
+def indexer_insert(data, block_size, head_dim, codes, scales, slot_mapping):
+    """Scatter codes [N, D] uint8 and scales [N] float32 into the pages; slot -1 skipped."""
+    xp = xp_of(data)
+    page = block_size * (head_dim + 4)
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].astype(xp.int64)
+    if slots.size == 0:
+        return
+    blk, off = slots // block_size, slots % block_size
+    flat = data.reshape(-1)
+    code_pos = (blk * page + off * head_dim)[:, None] + xp.arange(head_dim)
+    flat[code_pos] = codes[valid]
+    scale_pos = (blk * page + block_size * head_dim + 4 * off)[:, None] + xp.arange(4)
+    flat[scale_pos] = _as_u8(xp, scales[valid].astype(xp.float32)[:, None], 4)
+
+
+def indexer_read(data, block_size, head_dim, blocks, offsets):
+    """codes [N, D] uint8 and scales [N] float32 of (page, offset) pairs."""
+    xp = xp_of(data)
+    page = block_size * (head_dim + 4)
+    blocks = blocks.astype(xp.int64)
+    offsets = offsets.astype(xp.int64)
+    flat = data.reshape(-1)
+    codes = flat[(blocks * page + offsets * head_dim)[:, None] + xp.arange(head_dim)]
+    sbytes = flat[(blocks * page + block_size * head_dim + 4 * offsets)[:, None] + xp.arange(4)]
+    scales = xp.ascontiguousarray(sbytes).view(xp.float32).reshape(-1)
+    return codes, scales
+
+
+def request_positions(cu_seq_lens, block_table, block_size):
+    """(page, offset) of every token of a packed batch; cu_seq_lens is host int64."""
+    xp = xp_of(block_table)
+    lens = numpy.diff(cu_seq_lens)
+    req = numpy.repeat(numpy.arange(lens.size), lens)
+    pos = numpy.arange(int(cu_seq_lens[-1])) - numpy.repeat(cu_seq_lens[:-1], lens)
+    req, pos = xp.asarray(req), xp.asarray(pos)
+    blocks = block_table[req, pos // block_size]
+    return blocks, pos % block_size
+
+
+# ---- MLA fp8_ds_mla cache ----------------------------------------------------
+
+def mla_token_bytes(kv_lora_rank, rope_dim):
+    return kv_lora_rank + 4 * (kv_lora_rank // MLA_QUANT_BLOCK) + 2 * rope_dim
+
+
+def mla_quantize(kv_c):
+    """codes [N, L] uint8 and scales [N, L // 128] float32 with
+    ``scale = max(amax / 448, FLT_MIN)`` (not a power of two).
+
+    ``max(amax, 448 * FLT_MIN) / 448`` equals that exactly: 448 * FLT_MIN is
+    exact and correctly rounded division is monotone.
+    """
+    return fp8.quantize_groups(kv_c, MLA_QUANT_BLOCK, None, fp8.E4M3_MAX * fp8.FLT_MIN)
+
+
+def mla_encode(kv_c, k_pe):
+    """fp8_ds_mla records uint8 [N, T] of latent [N, L] and RoPE part [N, R]."""
+    xp = xp_of(kv_c)
+    codes, scales = mla_quantize(kv_c)
+    n, lora = codes.shape
+    rope = fp8.bf16_encode(fp8.to_float32(k_pe))
+    return xp.concatenate([codes, _as_u8(xp, scales, 4 * (lora // MLA_QUANT_BLOCK)),
+                           _as_u8(xp, rope, 2 * rope.shape[-1])], axis=1)
+
+
+def mla_decode(records, kv_lora_rank, rope_dim):
+    """float32 [N, L + R]: dequantized latent then RoPE part, from records [N, T]."""
+    xp = xp_of(records)
+    lora, groups = kv_lora_rank, kv_lora_rank // MLA_QUANT_BLOCK
+    codes = records[:, :lora]
+    scales = xp.ascontiguousarray(records[:, lora:lora + 4 * groups]).view(xp.float32)
+    rope_bits = xp.ascontiguousarray(records[:, lora + 4 * groups:
+                                             lora + 4 * groups + 2 * rope_dim]).view(xp.uint16)
+    latent = fp8.dequantize_groups(xp.ascontiguousarray(codes), scales, MLA_QUANT_BLOCK)
+    return xp.concatenate([latent, fp8.bf16_decode(rope_bits)], axis=1)
+
+
+def mla_insert(data, records, slot_mapping):
+    """Write records [N, T] into data [num_blocks, B, T]; slot -1 skipped."""
+    flat = data.reshape(-1, data.shape[-1])
+    valid = slot_mapping >= 0
+    flat[slot_mapping[valid].astype(xp_of(data).int64)] = records[valid]

@@ -1,0 +1,178 @@
+"""Reference of the lightning indexer: FP8 scoring and per-row top-k.
+
+Array-generic (NumPy or CuPy), float64 accumulation, float32 results, no
+validation (the public wrappers in :mod:`cpsparse.indexer` validate).
+
+Exactness note: products of two e4m3 values need at most 8 significant bits
+and a 128-term dot product of them spans less than 2**43 quanta, so the fp8
+dot products are *exact* in float64, in any summation order.
+"""
+
+import numpy
+
+from cpsparse.reference import cache as cache_ref
+from cpsparse.reference import fp8
+from cpsparse.reference._xp import xp_of
+
+WORKSPACE_BYTES = 256 << 20
+
+
+def fold_weights(weights, q_scales, head_dim):
+    """``W[t,h] = w[t,h] * s_q[t,h] * D**-0.5 * H**-0.5`` in float32."""
+    xp = xp_of(weights)
+    n_heads = weights.shape[-1]
+    w = fp8.to_float64(weights) * fp8.to_float64(q_scales).reshape(weights.shape)
+    return (w * (head_dim ** -0.5) * (n_heads ** -0.5)).astype(xp.float32)
+
+
+def _score_block(q, k, k_scales, weights):
+    """[m, n] float64: s_k * sum_h W * relu(q . k) for decoded q [m,H,D], k [n,D]."""
+    m, h, d = q.shape
+    dots = (q.reshape(m * h, d) @ k.T).reshape(m, h, -1)
+    xp = xp_of(dots)
+    xp.maximum(dots, 0.0, out=dots)
+    acc = (dots * weights[:, :, None]).sum(axis=1)
+    return acc * k_scales[None, :]
+
+
+def mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke):
+    """logits [M, N] float32; ``-inf`` outside ``[ks, ke)``."""
+    xp = xp_of(q_codes)
+    m_total, heads, dim = q_codes.shape
+    n_keys = k_codes.shape[0]
+    out = xp.full((m_total, n_keys), -xp.inf, dtype=xp.float32)
+    if m_total == 0 or n_keys == 0:
+        return out
+    q = fp8.e4m3_decode(q_codes).astype(xp.float64)
+    k = fp8.e4m3_decode(k_codes).astype(xp.float64)
+    s_k = k_scales.astype(xp.float64)
+    w = weights.astype(xp.float64)
+    ks_h = numpy.asarray(ks.get() if xp is not numpy else ks).astype(numpy.int64)
+    ke_h = numpy.asarray(ke.get() if xp is not numpy else ke).astype(numpy.int64)
+    rows = max(1, WORKSPACE_BYTES // (8 * heads * max(1, n_keys)))
+    for m0 in range(0, m_total, rows):
+        m1 = min(m_total, m0 + rows)
+        lo, hi = int(ks_h[m0:m1].min()), int(ke_h[m0:m1].max())
+        if hi <= lo:
+            continue
+        vals = _score_block(q[m0:m1], k[lo:hi], s_k[lo:hi], w[m0:m1])
+        cols = xp.arange(lo, hi)[None, :]
+        inside = (cols >= ks[m0:m1, None]) & (cols < ke[m0:m1, None])
+        out[m0:m1, lo:hi] = xp.where(inside, vals, -xp.inf)
+    return out
+
+
+def decode_row_ends(context_lens, next_n):
+    """int64 [B * next_n]: exclusive end of the window of each decode row.
+
+    1-D ``context_lens`` [B]: row (b, j) sees positions ``< L_b - next_n + j + 1``
+    (clipped at 0). 2-D ``context_lens`` [B, next_n]: row (b, j) sees
+    ``< context_lens[b, j]``.
+    """
+    xp = xp_of(context_lens)
+    lens = context_lens.astype(xp.int64)
+    if lens.ndim == 2:
+        return lens.reshape(-1)
+    j = xp.arange(next_n, dtype=xp.int64)
+    return xp.maximum(lens[:, None] - next_n + j[None, :] + 1, 0).reshape(-1)
+
+
+def paged_mqa_logits(q_codes, cache_data, block_size, weights, context_lens, block_table,
+                     max_context_len):
+    """logits [B * next_n, max_context_len] float32 over the paged key cache."""
+    xp = xp_of(q_codes)
+    batch, next_n, heads, dim = q_codes.shape
+    out = xp.full((batch * next_n, max_context_len), -xp.inf, dtype=xp.float32)
+    ends = decode_row_ends(context_lens, next_n)
+    ends_h = numpy.asarray(ends.get() if xp is not numpy else ends)
+    for b in range(batch):
+        rows = slice(b * next_n, (b + 1) * next_n)
+        length = int(ends_h[rows].max()) if next_n else 0
+        if length == 0:
+            continue
+        pos = xp.arange(length)
+        codes, scales = cache_ref.indexer_read(cache_data, block_size, dim,
+                                               block_table[b, pos // block_size],
+                                               pos % block_size)
+        ks = xp.zeros(next_n, dtype=xp.int64)
+        out[rows, :length] = mqa_logits(q_codes[b], codes, scales, weights[rows], ks,
+                                        ends[rows])
+    return out
+
+
+# ---- top-k -------------------------------------------------------------------
+
+def order_keys(values):
+    """uint32 keys whose unsigned order is the order of the float32 values.
+
+    NaN maps to 0, below every number (-inf included); -0.0 maps like +0.0
+    so that equal values tie exactly and ties go to the lower index.
+    """
+    xp = xp_of(values)
+    v = xp.ascontiguousarray(values, dtype=xp.float32)
+    v = xp.where(v == 0, xp.float32(0), v)
+    u = v.view(xp.uint32)
+    keys = xp.where(u >> 31 == 1, ~u, u | xp.uint32(0x80000000))
+    return xp.where(xp.isnan(v), xp.uint32(0), keys)
+
+
+def topk_per_row(logits, row_starts, row_ends, k, out=None):
+    """int32 [M, k] of row-start-relative positions; see :func:`cpsparse.indexer.topk_per_row`.
+
+    Rows no longer than k get ``0..len-1`` then -1. Longer rows get the k
+    largest values, largest first, ties to the lower position, NaN last.
+    """
+    xp = xp_of(logits)
+    m_total, width = logits.shape
+    if out is None:
+        out = xp.empty((m_total, k), dtype=xp.int32)
+    starts = row_starts.astype(xp.int64)
+    lens = row_ends.astype(xp.int64) - starts
+    cols = xp.arange(k, dtype=xp.int64)
+    out[...] = xp.where(cols[None, :] < lens[:, None], cols[None, :], -1).astype(xp.int32)
+    long_rows = xp.flatnonzero(lens > k)
+    if long_rows.size == 0:
+        return out
+    rows_per_chunk = max(1, WORKSPACE_BYTES // (8 * max(1, width)))
+    positions = xp.arange(width, dtype=xp.uint64)
+    for c0 in range(0, int(long_rows.size), rows_per_chunk):
+        rows = long_rows[c0:c0 + rows_per_chunk]
+        # Composite key: descending value in the high word, column in the low
+        # word; unique keys make the selection deterministic.
+        desc = (xp.uint32(0xFFFFFFFF) - order_keys(logits[rows])).astype(xp.uint64)
+        key = (desc << xp.uint64(32)) | positions[None, :]
+        c = positions[None, :].astype(xp.int64)
+        inside = (c >= starts[rows, None]) & (c < row_ends[rows, None].astype(xp.int64))
+        key = xp.where(inside, key, xp.uint64(0xFFFFFFFFFFFFFFFF))
+        best = xp.sort(xp.partition(key, k - 1, axis=1)[:, :k], axis=1)
+        col = (best & xp.uint64(0xFFFFFFFF)).astype(xp.int64)
+        out[rows] = (col - starts[rows, None]).astype(xp.int32)
+    return out
+
+
+def topk_per_row_decode(logits, context_lens, next_n, k, out=None):
+    """Decode form: row_starts 0, row ends from :func:`decode_row_ends`."""
+    xp = xp_of(logits)
+    ends = decode_row_ends(context_lens, next_n)
+    return topk_per_row(logits, xp.zeros_like(ends), ends, k, out=out)
+
+
+# ---- Hadamard rotation -------------------------------------------------------
+
+def hadamard_rotate(x):
+    """``x @ H_n / sqrt(n)`` on the last axis (Sylvester order), float32 out.
+
+    Iterative fast Walsh-Hadamard transform in float64: log2(n) butterfly
+    stages, each a reshape and one add/subtract.
+    """
+    xp = xp_of(x)
+    v = fp8.to_float64(x)
+    n = v.shape[-1]
+    lead = v.shape[:-1]
+    h = 1
+    while h < n:
+        v = v.reshape(lead + (n // (2 * h), 2, h))
+        a, b = v[..., 0, :], v[..., 1, :]
+        v = xp.stack([a + b, a - b], axis=-2)
+        h *= 2
+    return (v.reshape(lead + (n,)) * (n ** -0.5)).astype(xp.float32)
