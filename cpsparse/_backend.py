@@ -99,3 +99,23 @@ def is_stream_capturing(xp):
         return bool(xp.cuda.get_current_stream().is_capturing())
     except Exception:  # noqa: BLE001 - older CuPy without capture support
         return False
+
+
+_KERNELS_ENABLED = [True]
+
+
+def use_kernels(xp):
+    """True when a CuPy input should run the CUDA kernels.
+
+    False for NumPy, and for CuPy when :func:`set_kernels_enabled` turned them
+    off (then the array-generic reference runs on the GPU: slow, exact; handy
+    to bisect a kernel bug).
+    """
+    return xp is not numpy and _KERNELS_ENABLED[0]
+
+
+def set_kernels_enabled(enabled):
+    """Switch CuPy inputs between the CUDA kernels (True) and the generic reference."""
+    previous = _KERNELS_ENABLED[0]
+    _KERNELS_ENABLED[0] = bool(enabled)
+    return previous

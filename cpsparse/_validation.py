@@ -107,6 +107,18 @@ def check_nonnegative_int(name, value):
     return int(value)
 
 
+def check_float32_positive(name, value):
+    """A real number > 0 that stays positive and finite in float32."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, numpy.floating)):
+        raise TypeError(f"Invalid {name}: expected a float > 0, got {value!r}")
+    with numpy.errstate(over="ignore", under="ignore"):
+        as32 = numpy.float32(value)
+    if not (numpy.isfinite(as32) and as32 > 0):
+        raise ValueError(f"Invalid {name}: expected a float > 0 that is finite and non-zero "
+                         f"in float32, got {value!r}")
+    return float(value)
+
+
 def check_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"Invalid {name}: expected one of {list(choices)}, got {value!r}")
@@ -150,12 +162,13 @@ def check_context_lens(xp, context_lens, block_table, block_size, max_context_le
     if not value_checks_enabled(xp) or context_lens.size == 0:
         return
     lens = _to_host(xp, context_lens).astype(numpy.int64)
-    lens = lens.reshape(lens.shape[0], -1).max(axis=1)
-    bad = numpy.flatnonzero(lens < 0)
+    lens = lens.reshape(lens.shape[0], -1)
+    bad = numpy.argwhere(lens < 0)
     if bad.size:
-        i = int(bad[0])
+        i = int(bad[0][0])
         raise ValueError(f"Invalid context_lens: expected values >= 0, got "
-                         f"{int(lens[i])} for request {i}")
+                         f"{int(lens[i].min())} for request {i}")
+    lens = lens.max(axis=1)
     longest = int(lens.max())
     if max_context_len is not None and longest > max_context_len:
         raise ValueError(f"Invalid max_context_len: expected >= the longest context "

@@ -72,8 +72,9 @@ def _check_d_v(d_v, dqk):
 
 
 def _check_scale(sm_scale):
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, numpy.floating)) \
-            or not numpy.isfinite(sm_scale):
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, numpy.floating)):
+        raise TypeError(f"Invalid sm_scale: expected a finite float, got {sm_scale!r}")
+    if not numpy.isfinite(sm_scale):
         raise ValueError(f"Invalid sm_scale: expected a finite float, got {sm_scale!r}")
     return float(sm_scale)
 

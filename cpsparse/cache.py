@@ -10,6 +10,7 @@ import numpy
 
 from cpsparse import _backend
 from cpsparse import _validation as V
+from cpsparse.kernels import quant as _kquant
 from cpsparse.reference import cache as _ref
 from cpsparse.reference import fp8 as _fp8
 
@@ -29,6 +30,14 @@ def _check_slot_mapping(xp, slot_mapping, n, num_slots):
     V.check_array("slot_mapping", slot_mapping, dtype="int32", shape=(n,),
                   shape_desc="[N] (one slot per key)")
     V.check_slots(xp, slot_mapping, num_slots)
+
+
+def _check_kv_lora_rank(kv_lora_rank):
+    V.check_positive_int("kv_lora_rank", kv_lora_rank)
+    if kv_lora_rank % _ref.MLA_QUANT_BLOCK:
+        raise ValueError(f"Invalid kv_lora_rank: expected a multiple of "
+                         f"{_ref.MLA_QUANT_BLOCK} (one fp8_ds_mla scale per "
+                         f"{_ref.MLA_QUANT_BLOCK} values), got {kv_lora_rank}")
 
 
 class IndexerKCache:
@@ -72,15 +81,29 @@ class IndexerKCache:
     def __init__(self, num_blocks, block_size=64, head_dim=128, xp=numpy, scale_fmt="ue8m0"):
         xp = _module(xp)
         V.check_nonnegative_int("num_blocks", num_blocks)
-        self._setup(xp.zeros((num_blocks, block_size * (V.check_positive_int(
-            "head_dim", head_dim) + 4)), dtype=xp.uint8), block_size, head_dim, scale_fmt)
+        V.check_positive_int("block_size", block_size)
+        V.check_positive_int("head_dim", head_dim)
+        V.check_choice("scale_fmt", scale_fmt, ("ue8m0", None))
+        data = xp.zeros((num_blocks, block_size * (head_dim + 4)), dtype=xp.uint8)
+        self._setup(data, block_size, head_dim, scale_fmt)
 
     @classmethod
-    def wrap(cls, data, block_size=64, head_dim=128, scale_fmt="ue8m0"):
-        """Use an existing ``uint8 [num_blocks, block_size * (head_dim + 4)]`` array."""
+    def wrap(cls, data, block_size=64, head_dim=128, scale_fmt="ue8m0", name="data"):
+        """Use an existing cache array without copying it.
+
+        ``data`` is ``uint8 [num_blocks, block_size * (head_dim + 4)]``, or the
+        ``[num_blocks, block_size, head_dim + 4]`` container view vLLM may hand
+        over (same bytes; viewed as 2-D).
+        """
         self = cls.__new__(cls)
-        _backend.get_array_module(data=data)
-        V.check_array("data", data, ndim=2, dtype="uint8",
+        _backend.get_array_module(**{name: data})
+        V.check_positive_int("block_size", block_size)
+        V.check_positive_int("head_dim", head_dim)
+        if getattr(data, "ndim", None) == 3:
+            V.check_array(name, data, dtype="uint8", shape=(None, block_size, head_dim + 4),
+                          shape_desc="[num_blocks, block_size, head_dim + 4]")
+            data = data.reshape(data.shape[0], -1)
+        V.check_array(name, data, ndim=2, dtype="uint8",
                       shape=(None, block_size * (head_dim + 4)),
                       shape_desc="[num_blocks, block_size * (head_dim + 4)]")
         self._setup(data, block_size, head_dim, scale_fmt)
@@ -127,6 +150,8 @@ class IndexerKCache:
         V.check_array("k", k, ndim=2, dtype=V.FLOAT_DTYPES, shape=(None, self.head_dim),
                       shape_desc="[N, head_dim]")
         _check_slot_mapping(xp, slot_mapping, k.shape[0], self.num_slots)
+        if _backend.use_kernels(xp) and _kquant.supports_group(self.head_dim):
+            return _kquant.indexer_insert(xp, self, k, slot_mapping, self.KEY_EPS)
         codes, scales = _fp8.quantize_groups(k, self.head_dim, self.scale_fmt, self.KEY_EPS)
         _ref.indexer_insert(self.data, self.block_size, self.head_dim, codes,
                             scales.reshape(-1), slot_mapping)
@@ -168,6 +193,8 @@ class IndexerKCache:
         cu = V.check_cu_seq_lens(xp, cu_seq_lens)
         lens = numpy.diff(cu)
         V.check_block_table(xp, lens, block_table, self.block_size, self.num_blocks)
+        if _backend.use_kernels(xp) and _kquant.supports_group(self.head_dim):
+            return _kquant.indexer_gather(xp, self, block_table, cu_seq_lens, cu)
         blocks, offsets = _ref.request_positions(cu, block_table, self.block_size)
         return _ref.indexer_read(self.data, self.block_size, self.head_dim, blocks, offsets)
 
@@ -208,9 +235,8 @@ class MLAKVCache:
     def __init__(self, num_blocks, block_size=64, kv_lora_rank=512, rope_dim=64, xp=numpy):
         xp = _module(xp)
         V.check_nonnegative_int("num_blocks", num_blocks)
-        V.check_positive_int("kv_lora_rank", kv_lora_rank)
+        _check_kv_lora_rank(kv_lora_rank)
         V.check_nonnegative_int("rope_dim", rope_dim)
-        V.check_block_multiple("kv_c", kv_lora_rank, _ref.MLA_QUANT_BLOCK)
         nbytes = _ref.mla_token_bytes(kv_lora_rank, rope_dim)
         data = xp.zeros((num_blocks, V.check_positive_int("block_size", block_size), nbytes),
                         dtype=xp.uint8)
@@ -221,7 +247,8 @@ class MLAKVCache:
         """Use an existing ``uint8 [num_blocks, block_size, token_bytes]`` array."""
         self = cls.__new__(cls)
         _backend.get_array_module(data=data)
-        V.check_block_multiple("kv_c", kv_lora_rank, _ref.MLA_QUANT_BLOCK)
+        _check_kv_lora_rank(kv_lora_rank)
+        V.check_nonnegative_int("rope_dim", rope_dim)
         V.check_array("data", data, ndim=3, dtype="uint8",
                       shape=(None, None, _ref.mla_token_bytes(kv_lora_rank, rope_dim)),
                       shape_desc="[num_blocks, block_size, token_bytes]")

@@ -4,10 +4,9 @@ See ``DESIGN.md`` section 3 and :mod:`cpsparse.reference.fp8` for the exact
 arithmetic (bit for bit what the CUDA kernels reproduce).
 """
 
-import math
-
 from cpsparse import _backend
 from cpsparse import _validation as V
+from cpsparse.kernels import quant as _kquant
 from cpsparse.reference import fp8 as _ref
 
 __all__ = ["quantize_fp8", "dequantize_fp8", "E4M3_MAX"]
@@ -29,7 +28,13 @@ def quantize_fp8(x, block_size=128, scale_fmt="ue8m0", eps=1e-4):
         ``"ue8m0"`` rounds every scale up to a power of two (what the indexer
         uses); ``None`` keeps the plain float32 scale ``max(amax, eps) / 448``.
     eps : float
-        Floor of ``amax`` (1e-4 for indexer keys, 1e-10 for queries).
+        Floor of ``amax`` (1e-4 for indexer keys, 1e-10 for queries); it must
+        be positive and finite in float32.
+
+    Notes
+    -----
+    NaN values are ignored by ``amax`` (and encode as NaN); an infinite value
+    makes its group's scale infinite (finite values then encode as 0).
 
     Returns
     -------
@@ -55,8 +60,10 @@ def quantize_fp8(x, block_size=128, scale_fmt="ue8m0", eps=1e-4):
         raise ValueError(f"Invalid shape of x: expected at least 1 dimension, got {x.shape}")
     V.check_block_multiple("x", x.shape[-1], block_size)
     V.check_choice("scale_fmt", scale_fmt, SCALE_FORMATS)
-    if not isinstance(eps, (int, float)) or not (eps > 0 and math.isfinite(eps)):
-        raise ValueError(f"Invalid eps: expected a finite float > 0, got {eps!r}")
+    V.check_float32_positive("eps", eps)
+    xp = _backend.get_array_module(x=x)
+    if _backend.use_kernels(xp) and _kquant.supports_group(block_size):
+        return _kquant.quantize_fp8(xp, x, block_size, scale_fmt, eps)
     return _ref.quantize_groups(x, block_size, scale_fmt, eps)
 
 

@@ -2,7 +2,9 @@
 
 import doctest
 import importlib
+import pathlib
 import pkgutil
+import re
 
 import pytest
 
@@ -27,3 +29,24 @@ def test_public_api_has_examples():
                    "get_array_module", "gpu_available", "set_device_value_checks")
                and ">>>" not in (getattr(cpsparse, name).__doc__ or "")]
     assert not missing, f"public names without a docstring example: {missing}"
+
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+PAGES = sorted(DOCS.glob("*.md")) + [DOCS.parent / "README.md"]
+
+
+def _python_blocks(text):
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_docs_page_examples_run(page):
+    """Every ```python block of the docs pages runs, in order, in one namespace."""
+    blocks = _python_blocks(page.read_text())
+    namespace = {"__name__": f"docs_{page.stem}"}
+    for block in blocks:
+        exec(compile(block, str(page), "exec"), namespace)  # noqa: S102 - our own docs
+
+
+def test_docs_have_examples():
+    assert any(_python_blocks(p.read_text()) for p in PAGES), "no runnable docs example"

@@ -37,8 +37,8 @@ def sparse_mla_attention(q, kv, indices, sm_scale, d_v, decode=None):
     topk = indices.shape[1]
     out = xp.zeros((tokens, heads, d_v), dtype=xp.float32)
     lse = xp.full((tokens, heads), -xp.inf, dtype=xp.float32)
-    if tokens == 0 or topk == 0:
-        return out, lse
+    if tokens == 0 or topk == 0 or kv.shape[0] == 0:
+        return out, lse          # nothing to attend to (every index is -1)
     q64 = fp8.to_float64(q)
     chunk = max(1, WORKSPACE_BYTES // (8 * topk * (dqk + heads)))
     for t0 in range(0, tokens, chunk):

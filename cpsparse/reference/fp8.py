@@ -103,10 +103,12 @@ def group_scales(amax, eps, scale_fmt):
     eps32 = float(numpy.float32(eps))
     s = (xp.maximum(amax.astype(xp.float64), eps32) / E4M3_MAX).astype(xp.float32)
     if scale_fmt == "ue8m0":
-        mant, exp = xp.frexp(s.astype(xp.float64))
+        with numpy.errstate(invalid="ignore"):
+            mant, exp = xp.frexp(s.astype(xp.float64))
         # s = mant * 2**exp with mant in [0.5, 1): a power of two has mant 0.5.
         up = xp.ldexp(xp.ones_like(mant), exp.astype(xp.int32))
-        s = xp.where(mant == 0.5, s.astype(xp.float64), up).astype(xp.float32)
+        keep = (mant == 0.5) | ~xp.isfinite(s)          # an inf scale stays inf
+        s = xp.where(keep, s.astype(xp.float64), up).astype(xp.float32)
     return s
 
 
@@ -116,9 +118,14 @@ def quantize_groups(x, block_size, scale_fmt, eps):
     x32 = to_float32(x)
     lead = x32.shape[:-1]
     groups = x32.reshape(lead + (x32.shape[-1] // block_size, block_size))
-    amax = xp.abs(groups).max(axis=-1) if groups.size else xp.zeros(groups.shape[:-1], xp.float32)
+    # NaN is ignored by the group maximum, as fmaxf does in the kernels.
+    mag = xp.abs(groups)
+    mag = xp.where(xp.isnan(mag), xp.float32(0), mag)
+    amax = mag.max(axis=-1) if groups.size else xp.zeros(groups.shape[:-1], xp.float32)
     scales = group_scales(amax, eps, scale_fmt)
-    q = (groups.astype(xp.float64) / scales[..., None].astype(xp.float64)).astype(xp.float32)
+    with numpy.errstate(invalid="ignore", over="ignore"):
+        q = (groups.astype(xp.float64) / scales[..., None].astype(xp.float64)).astype(
+            xp.float32)
     return e4m3_encode(q).reshape(x32.shape), scales
 
 

@@ -1,0 +1,1 @@
+"""cpsparse benchmarks (GPU): each module has a ``main()`` and writes JSON results."""

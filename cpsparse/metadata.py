@@ -1,0 +1,366 @@
+"""Batch metadata for the DSA layer drivers, built from plain per-request lengths.
+
+One :class:`BatchMetadata` describes a forward pass over a packed batch of
+requests (decodes first, then prefills, in batch order): where each new token
+goes in the paged caches, the indexer's decode/prefill split with its decode
+rows and prefill chunks, and the MLA side's metadata (its own decode
+threshold, ``prefill.max_seq_len``, ``prefill.use_dense_mha``).
+
+A :class:`ForwardContext` maps layer names to MLA metadata, like vLLM's
+``forward_context.attn_metadata``; the indexer reads the MLA metadata of the
+layer named by ``dense_mha_metadata_layer_name`` to decide the short-prefill
+early return (``DESIGN.md`` sections 7 and 8).
+"""
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Dict, List, Optional
+
+import numpy
+
+from cpsparse import _backend
+from cpsparse import _validation as V
+
+__all__ = ["BatchMetadata", "DecodeMetadata", "PrefillChunk", "PrefillMetadata",
+           "MLAMetadata", "MLAPrefillMetadata", "ForwardContext", "build_batch",
+           "decodes_first_order", "set_forward_context", "get_forward_context",
+           "DEFAULT_LOGITS_BUDGET_BYTES"]
+
+DEFAULT_LOGITS_BUDGET_BYTES = 512 << 20
+
+
+@dataclasses.dataclass
+class DecodeMetadata:
+    """The indexer's decode requests (the first ``num_decodes`` of the batch).
+
+    Decode tokens are laid out on ``[num_decodes, next_n]`` rows; a request
+    with fewer than ``next_n`` new tokens leaves padding rows (window end 0).
+    """
+    next_n: int
+    context_lens: Any          # int32 [B] (uniform) or [B, next_n] window ends
+    block_table: Any           # int32 [B, max_blocks]
+    max_context_len: int
+    requires_padding: bool
+    token_rows: Any            # int64 [num_decode_tokens]: row of each token in [B * next_n]
+    token_rows_host: numpy.ndarray
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    """A piece of the prefill whose logits ``[tokens, num_keys]`` fit the budget.
+
+    Keys of the chunk's requests are gathered from the cache in request order
+    (``cu_seq_lens``); a long request may be split along its queries, and
+    then only the keys up to its last query in the chunk are gathered.
+    """
+    token_start: int
+    token_end: int
+    num_keys: int
+    cu_seq_lens: Any           # int32 [n + 1] key offsets of the gathered requests
+    block_table: Any           # int32 [n, max_blocks]
+    ks: Any                    # int32 [tokens] window start in the gathered keys
+    ke: Any                    # int32 [tokens] window end (exclusive)
+
+    @property
+    def num_tokens(self):
+        return self.token_end - self.token_start
+
+    @property
+    def logits_bytes(self):
+        return 4 * self.num_tokens * self.num_keys
+
+
+@dataclasses.dataclass
+class PrefillMetadata:
+    chunks: List[PrefillChunk]
+
+
+@dataclasses.dataclass
+class MLAPrefillMetadata:
+    max_seq_len: int           # longest full length (context included) of a prefill
+    use_dense_mha: bool        # max_seq_len <= index_topk: every key fits the top-k
+
+
+@dataclasses.dataclass
+class MLAMetadata:
+    """What the MLA attention of a layer needs to route its tokens.
+
+    ``num_decode_tokens`` follows the MLA's own decode threshold, which may
+    differ from the indexer's ``next_n``; that is why the indexer's
+    short-prefill early return reads this object and not its own split.
+    """
+    decode_threshold: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    prefill: Optional[MLAPrefillMetadata]
+
+
+@dataclasses.dataclass
+class BatchMetadata:
+    """Everything one forward pass over a packed batch needs (see :func:`build_batch`)."""
+    xp: Any
+    block_size: int
+    next_n: int
+    index_topk: int
+    num_reqs: int
+    num_tokens: int
+    query_lens: numpy.ndarray          # host int64 [R]
+    context_lens: numpy.ndarray        # host int64 [R], tokens already cached
+    seq_lens: numpy.ndarray            # host int64 [R], context + query
+    query_start_loc: numpy.ndarray     # host int64 [R + 1]
+    block_table: Any                   # int32 [R, max_blocks]
+    slot_mapping: Any                  # int32 [T]
+    positions: Any                     # int32 [T], position of each token in its request
+    req_ids: Any                       # int32 [T], request of each token
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    decode: Optional[DecodeMetadata]
+    prefill: Optional[PrefillMetadata]
+    mla: MLAMetadata
+
+    @property
+    def last_token_rows(self):
+        """host int64 [R]: batch row of each request's last new token."""
+        return self.query_start_loc[1:] - 1
+
+
+def decodes_first_order(query_lens, next_n=1):
+    """A stable order of the requests that puts decodes (query_len <= next_n) first.
+
+    Examples
+    --------
+    >>> from cpsparse.metadata import decodes_first_order
+    >>> decodes_first_order([5, 1, 7, 1], next_n=1)
+    array([1, 3, 0, 2])
+    """
+    q = numpy.asarray(query_lens)
+    return numpy.argsort(q > next_n, kind="stable")
+
+
+def _leading_run(query_lens, threshold):
+    """Number of leading requests with query_len <= threshold."""
+    big = numpy.flatnonzero(query_lens > threshold)
+    return int(big[0]) if big.size else int(query_lens.size)
+
+
+def _plan_chunks(prefill_reqs, query_lens, context_lens, token_starts, budget):
+    """Greedy chunking: list of lists of (request, first query, end query)."""
+    chunks, current, cur_tokens, cur_keys = [], [], 0, 0
+    for r in prefill_reqs:
+        qlen, ctx = int(query_lens[r]), int(context_lens[r])
+        if 4 * qlen * (ctx + qlen) > budget:
+            # One request too large for the budget: split along its queries so
+            # that (queries in piece) * (keys up to the piece's last query) fits.
+            if current:
+                chunks.append(current)
+                current, cur_tokens, cur_keys = [], 0, 0
+            i0 = 0
+            while i0 < qlen:
+                i1 = i0 + 1
+                while i1 < qlen and 4 * (i1 + 1 - i0) * (ctx + i1 + 1) <= budget:
+                    i1 += 1
+                chunks.append([(r, i0, i1)])
+                i0 = i1
+            continue
+        tokens, keys = cur_tokens + qlen, cur_keys + ctx + qlen
+        if current and 4 * tokens * keys > budget:
+            chunks.append(current)
+            current, tokens, keys = [], qlen, ctx + qlen
+        current.append((r, 0, qlen))
+        cur_tokens, cur_keys = tokens, keys
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def build_batch(query_lens, context_lens, block_table, *, next_n=1, block_size=64,
+                index_topk=2048, mla_decode_threshold=None,
+                logits_budget_bytes=DEFAULT_LOGITS_BUDGET_BYTES, xp=None):
+    """Build the metadata of one forward pass from per-request lengths.
+
+    Parameters
+    ----------
+    query_lens : sequence of int [R]
+        New tokens of each request in this step.
+    context_lens : sequence of int [R]
+        Tokens of each request already in the caches (before this step).
+    block_table : int32 array [R, max_blocks]
+        Page ids of each request; NumPy or CuPy (sets the backend).
+    next_n : int
+        1 + the number of speculative tokens: a request is an indexer decode
+        when ``query_len <= next_n``. Decodes must come first in the batch
+        (:func:`decodes_first_order` gives such an order).
+    block_size : int
+        Tokens per page of both caches.
+    index_topk : int
+        The top-k width; ``prefill.use_dense_mha = max_seq_len <= index_topk``.
+    mla_decode_threshold : int, optional
+        The MLA side's own decode threshold (default ``next_n``).
+    logits_budget_bytes : int
+        Upper bound of one prefill chunk's float32 logits (default 512 MiB).
+    xp : module, optional
+        Backend of the arrays built here (default: that of ``block_table``).
+
+    Returns
+    -------
+    BatchMetadata
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cpsparse.metadata import build_batch
+    >>> table = np.arange(6, dtype=np.int32).reshape(2, 3)
+    >>> meta = build_batch([1, 5], [70, 0], table, next_n=1, index_topk=4)
+    >>> meta.num_decode_tokens, meta.num_prefill_tokens, meta.mla.prefill.use_dense_mha
+    (1, 5, False)
+    >>> meta.slot_mapping          # decode token at position 70 -> page 1, offset 6
+    array([ 70, 192, 193, 194, 195, 196], dtype=int32)
+    >>> chunk = meta.prefill.chunks[0]
+    >>> chunk.ks, chunk.ke         # causal windows in the gathered keys
+    (array([0, 0, 0, 0, 0], dtype=int32), array([1, 2, 3, 4, 5], dtype=int32))
+    """
+    if xp is None:
+        xp = _backend.get_array_module(block_table=block_table)
+    V.check_array("block_table", block_table, ndim=2, dtype="int32", shape_desc="[R, max_blocks]")
+    table_h = block_table.get() if xp is not numpy else numpy.asarray(block_table)
+    q = numpy.asarray(query_lens, dtype=numpy.int64).reshape(-1)
+    ctx = numpy.asarray(context_lens, dtype=numpy.int64).reshape(-1)
+    if q.shape != ctx.shape or q.shape[0] != table_h.shape[0]:
+        raise ValueError(f"Invalid lengths: expected query_lens, context_lens and block_table "
+                         f"rows to agree on R, got {q.shape[0]}, {ctx.shape[0]} and "
+                         f"{table_h.shape[0]}")
+    if (q < 0).any() or (ctx < 0).any():
+        raise ValueError("Invalid lengths: expected query_lens and context_lens >= 0")
+    next_n = V.check_positive_int("next_n", next_n)
+    block_size = V.check_positive_int("block_size", block_size)
+    index_topk = V.check_positive_int("index_topk", index_topk)
+    budget = V.check_positive_int("logits_budget_bytes", logits_budget_bytes)
+    mla_threshold = next_n if mla_decode_threshold is None else V.check_positive_int(
+        "mla_decode_threshold", mla_decode_threshold)
+    num_decodes = _leading_run(q, next_n)
+    late = numpy.flatnonzero(q[num_decodes:] <= next_n)
+    if late.size:
+        r = num_decodes + int(late[0])
+        raise ValueError(f"Invalid batch order: request {r} is a decode (query_len "
+                         f"{int(q[r])} <= next_n={next_n}) after the prefill request "
+                         f"{num_decodes}; decodes must come first (see decodes_first_order)")
+    seq = ctx + q
+    V.check_block_table(numpy, seq, table_h, block_size)
+
+    cu = numpy.concatenate([[0], numpy.cumsum(q)]).astype(numpy.int64)
+    total = int(cu[-1])
+    req_ids = numpy.repeat(numpy.arange(q.size), q)
+    positions = numpy.arange(total) - numpy.repeat(cu[:-1], q) + numpy.repeat(ctx, q)
+    slots = table_h[req_ids, positions // block_size].astype(numpy.int64) * block_size \
+        + positions % block_size
+    dev = (lambda a: xp.asarray(a)) if xp is not numpy else (lambda a: a)
+    i32 = numpy.int32
+
+    decode = None
+    num_decode_tokens = int(cu[num_decodes])
+    if num_decodes:
+        dq, dseq = q[:num_decodes], seq[:num_decodes]
+        padded = bool((dq != next_n).any())
+        j = numpy.arange(next_n)[None, :]
+        if padded:
+            ends = numpy.where(j < dq[:, None], dseq[:, None] - dq[:, None] + j + 1, 0)
+            lens = ends.astype(i32)
+        else:
+            lens = dseq.astype(i32)
+        rows = (req_ids[:num_decode_tokens] * next_n
+                + numpy.arange(num_decode_tokens) - cu[req_ids[:num_decode_tokens]])
+        decode = DecodeMetadata(next_n=next_n, context_lens=dev(lens),
+                                block_table=dev(numpy.ascontiguousarray(table_h[:num_decodes])),
+                                max_context_len=int(dseq.max()), requires_padding=padded,
+                                token_rows=dev(rows.astype(numpy.int64)), token_rows_host=rows)
+
+    prefill = None
+    prefill_reqs = [r for r in range(num_decodes, q.size) if q[r] > 0]
+    if prefill_reqs:
+        chunks = []
+        for plan in _plan_chunks(prefill_reqs, q, ctx, cu, budget):
+            keys = [int(ctx[r]) + i1 for r, _, i1 in plan]
+            key_off = numpy.concatenate([[0], numpy.cumsum(keys)])
+            ks = numpy.concatenate([numpy.full(i1 - i0, key_off[n]) for n, (r, i0, i1)
+                                    in enumerate(plan)])
+            ke = numpy.concatenate([key_off[n] + ctx[r] + numpy.arange(i0, i1) + 1
+                                    for n, (r, i0, i1) in enumerate(plan)])
+            reqs = [r for r, _, _ in plan]
+            first, last = plan[0], plan[-1]
+            chunks.append(PrefillChunk(
+                token_start=int(cu[first[0]] + first[1]), token_end=int(cu[last[0]] + last[2]),
+                num_keys=int(key_off[-1]), cu_seq_lens=dev(key_off.astype(i32)),
+                block_table=dev(numpy.ascontiguousarray(table_h[reqs])),
+                ks=dev(ks.astype(i32)), ke=dev(ke.astype(i32))))
+        prefill = PrefillMetadata(chunks=chunks)
+
+    mla_decodes = _leading_run(q, mla_threshold)
+    mla_decode_tokens = int(cu[mla_decodes])
+    mla_prefill = None
+    if mla_decodes < q.size:
+        max_seq = int(seq[mla_decodes:].max())
+        mla_prefill = MLAPrefillMetadata(max_seq_len=max_seq, use_dense_mha=max_seq <= index_topk)
+    mla = MLAMetadata(decode_threshold=mla_threshold, num_decodes=mla_decodes,
+                      num_decode_tokens=mla_decode_tokens, num_prefills=q.size - mla_decodes,
+                      num_prefill_tokens=total - mla_decode_tokens, prefill=mla_prefill)
+
+    return BatchMetadata(
+        xp=xp, block_size=block_size, next_n=next_n, index_topk=index_topk,
+        num_reqs=int(q.size), num_tokens=total, query_lens=q, context_lens=ctx, seq_lens=seq,
+        query_start_loc=cu, block_table=block_table, slot_mapping=dev(slots.astype(i32)),
+        positions=dev(positions.astype(i32)), req_ids=dev(req_ids.astype(i32)),
+        num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
+        num_prefills=int(q.size) - num_decodes, num_prefill_tokens=total - num_decode_tokens,
+        decode=decode, prefill=prefill, mla=mla)
+
+
+# ---- forward context ---------------------------------------------------------
+
+@dataclasses.dataclass
+class ForwardContext:
+    """Per-forward state shared by all layers: the batch and MLA metadata by layer name.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cpsparse.metadata import ForwardContext, build_batch
+    >>> meta = build_batch([3], [0], np.zeros((1, 1), np.int32), index_topk=8)
+    >>> ctx = ForwardContext.for_layers(meta, ["layers.0.attn", "layers.1.attn"])
+    >>> ctx.attn_metadata["layers.1.attn"].prefill.use_dense_mha
+    True
+    """
+    batch: BatchMetadata
+    attn_metadata: Dict[str, MLAMetadata] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def for_layers(cls, batch, layer_names):
+        return cls(batch=batch, attn_metadata={name: batch.mla for name in layer_names})
+
+
+_CURRENT = threading.local()
+
+
+@contextlib.contextmanager
+def set_forward_context(context):
+    """Make ``context`` the current forward context of this thread (nests)."""
+    previous = getattr(_CURRENT, "context", None)
+    _CURRENT.context = context
+    try:
+        yield context
+    finally:
+        _CURRENT.context = previous
+
+
+def get_forward_context():
+    """The current :class:`ForwardContext`; RuntimeError outside ``set_forward_context``."""
+    context = getattr(_CURRENT, "context", None)
+    if context is None:
+        raise RuntimeError("no forward context is set: run the layer inside "
+                           "`with cpsparse.metadata.set_forward_context(ctx):` or pass "
+                           "forward_context=")
+    return context

@@ -1,0 +1,513 @@
+"""The DeepSeek-V3.2 MLA layer driver and its construction-time gate.
+
+:class:`DeepseekV32MLA` is a plain-Python layer on NumPy or CuPy arrays: the
+MLA projections (q_a/q_b with RMSNorm, kv_a with RMSNorm, kv_b absorbed into
+the query and the output, o_proj), the lightning indexer (wq_b, wk with its
+LayerNorm, weights_proj, RoPE on the first 64 dims, Hadamard rotation, FP8),
+and the attention routes: dense causal MHA for short prefills, sparse MLA over
+the shared top-k buffer otherwise.
+
+The gate (``DESIGN.md`` section 8) is decided once, at construction::
+
+    enable_short_prefill_scoring_skip = (not is_mtp_layer and not skip_topk
+                                         and not use_pcp and platform.is_cuda())
+    _dense_mha_metadata_layer_name = layer_name if enabled else ""
+
+and the indexer only obeys that name. MTP layers never enable it (their rows
+are reused by later draft steps), nor do index-sharing layers (they own no
+indexer) or PCP layers.
+"""
+
+import dataclasses
+import math
+from typing import Optional
+
+import numpy
+
+from cpsparse import _backend
+from cpsparse.attention import (dense_mla_attention, local_to_global_slots, softmax_scale,
+                                sparse_mla_attention)
+from cpsparse.cache import IndexerKCache, MLAKVCache
+from cpsparse.fp8 import quantize_fp8
+from cpsparse.indexer import (IndexerStats, fold_weights, hadamard_rotate,
+                              sparse_attn_indexer)
+from cpsparse.metadata import get_forward_context
+from cpsparse.platform import current_platform
+
+__all__ = ["MLAConfig", "DeepseekV32MLA", "DeepseekV32AttentionStack", "init_weights",
+           "AttentionStats"]
+
+INDEX_Q_EPS = 1e-10
+
+
+@dataclasses.dataclass
+class MLAConfig:
+    """Shapes of one DeepSeek-V3.2 attention layer (defaults: the released model).
+
+    Examples
+    --------
+    >>> from cpsparse.mla import MLAConfig
+    >>> cfg = MLAConfig()
+    >>> cfg.qk_head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.index_topk
+    (192, 576, 2048)
+    >>> MLAConfig.small().index_topk
+    64
+    """
+    hidden_size: int = 7168
+    num_heads: int = 128
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    block_size: int = 64
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    softmax_mscale: Optional[float] = None     # YaRN mscale; sm_scale *= mscale ** 2
+    index_scale_fmt: Optional[str] = "ue8m0"
+    index_hadamard: bool = True
+
+    @classmethod
+    def small(cls, **overrides):
+        """A preset that runs a whole layer in milliseconds on the CPU."""
+        base = dict(hidden_size=256, num_heads=4, q_lora_rank=96, kv_lora_rank=128,
+                    qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                    index_n_heads=8, index_head_dim=128, index_topk=64, block_size=16)
+        base.update(overrides)
+        return cls(**base)
+
+    @property
+    def qk_head_dim(self):
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def sm_scale(self):
+        return softmax_scale(self.qk_nope_head_dim, self.qk_rope_head_dim, self.softmax_mscale)
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_heads", "q_lora_rank", "kv_lora_rank",
+                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
+                     "index_head_dim", "index_topk", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Invalid MLAConfig.{name}: expected a positive int, "
+                                 f"got {value!r}")
+        if self.kv_lora_rank % 128:
+            raise ValueError(f"Invalid MLAConfig.kv_lora_rank: expected a multiple of 128 "
+                             f"(fp8_ds_mla scale groups), got {self.kv_lora_rank}")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
+            raise ValueError(f"Invalid MLAConfig.qk_rope_head_dim: expected an even number "
+                             f"<= index_head_dim={self.index_head_dim}, "
+                             f"got {self.qk_rope_head_dim}")
+        if self.index_hadamard and self.index_head_dim & (self.index_head_dim - 1):
+            raise ValueError(f"Invalid MLAConfig.index_head_dim: the Hadamard rotation needs "
+                             f"a power of two, got {self.index_head_dim}")
+
+
+def init_weights(config, seed=0, with_indexer=True):
+    """Random float32 weights (NumPy) for one layer, scaled by 1/sqrt(fan_in).
+
+    Keys follow the checkpoint names (``q_a_proj``, ``kv_b_proj``,
+    ``indexer.wq_b`` ...); matrices are stored [in, out] so that ``x @ W``.
+    """
+    c = config
+    rng = numpy.random.default_rng(seed)
+
+    def mat(n_in, n_out):
+        return (rng.standard_normal((n_in, n_out)) / math.sqrt(n_in)).astype(numpy.float32)
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(numpy.float32)
+
+    h = c.num_heads
+    w = {
+        "q_a_proj": mat(c.hidden_size, c.q_lora_rank),
+        "q_a_layernorm": norm(c.q_lora_rank),
+        "q_b_proj": mat(c.q_lora_rank, h * c.qk_head_dim),
+        "kv_a_proj_with_mqa": mat(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim),
+        "kv_a_layernorm": norm(c.kv_lora_rank),
+        "kv_b_proj": mat(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim)),
+        "o_proj": mat(h * c.v_head_dim, c.hidden_size),
+    }
+    if with_indexer:
+        w.update({
+            "indexer.wq_b": mat(c.q_lora_rank, c.index_n_heads * c.index_head_dim),
+            "indexer.wk": mat(c.hidden_size, c.index_head_dim),
+            "indexer.k_norm.weight": norm(c.index_head_dim),
+            "indexer.k_norm.bias": (0.1 * rng.standard_normal(c.index_head_dim)).astype(
+                numpy.float32),
+            "indexer.weights_proj": mat(c.hidden_size, c.index_n_heads),
+        })
+    return w
+
+
+# ---- small array helpers (backend-generic) ----------------------------------
+
+def _rms_norm(xp, x, weight, eps):
+    var = (x * x).mean(axis=-1, keepdims=True)
+    return (x / xp.sqrt(var + eps) * weight).astype(xp.float32)
+
+
+def _layer_norm(xp, x, weight, bias, eps):
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return ((x - mean) / xp.sqrt(var + eps) * weight + bias).astype(xp.float32)
+
+
+def _rope(xp, x, positions, theta, interleaved):
+    """Rotate the last axis of x [T, ..., d] by position (d even).
+
+    ``interleaved``: pairs (0, 1), (2, 3), ... (the MLA's layout);
+    otherwise halves (i, i + d/2) (NeoX, the indexer's layout).
+    """
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (numpy.arange(0, d, 2, dtype=numpy.float64) / d)
+    ang = positions.astype(xp.float64)[:, None] * xp.asarray(inv)[None, :]
+    shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (d // 2,)
+    cos, sin = xp.cos(ang).reshape(shape), xp.sin(ang).reshape(shape)
+    if interleaved:
+        a, b = x[..., 0::2], x[..., 1::2]
+        out = xp.empty_like(x)
+        out[..., 0::2] = a * cos - b * sin
+        out[..., 1::2] = a * sin + b * cos
+    else:
+        a, b = x[..., :d // 2], x[..., d // 2:]
+        out = xp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    return out.astype(xp.float32)
+
+
+class AttentionStats:
+    """How a layer routed its tokens (for tests, demos and benchmarks)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.forwards = 0
+        self.dense_tokens = 0        # tokens attended by dense causal MHA
+        self.sparse_tokens = 0       # tokens attended by sparse MLA
+        self.buffer_rows_read = 0    # rows of the top-k buffer read
+
+    def __repr__(self):
+        return ("AttentionStats(" + ", ".join(f"{k}={v}" for k, v in vars(self).items()) + ")")
+
+
+class _Indexer:
+    """The lightning indexer of one layer: projections, RoPE, rotation, FP8, scoring."""
+
+    def __init__(self, config, weights, xp):
+        self.config = config
+        self.wq_b = xp.asarray(weights["indexer.wq_b"])
+        self.wk = xp.asarray(weights["indexer.wk"])
+        self.k_norm_w = xp.asarray(weights["indexer.k_norm.weight"])
+        self.k_norm_b = xp.asarray(weights["indexer.k_norm.bias"])
+        self.weights_proj = xp.asarray(weights["indexer.weights_proj"])
+        self.stats = IndexerStats()
+
+    def queries_keys(self, xp, x, q_c, positions):
+        """(q codes [T, H, D], folded weights [T, H], keys [T, D] float32)."""
+        c = self.config
+        t, r = x.shape[0], c.qk_rope_head_dim
+        q = (q_c @ self.wq_b).reshape(t, c.index_n_heads, c.index_head_dim)
+        k = _layer_norm(xp, x @ self.wk, self.k_norm_w, self.k_norm_b, 1e-6)
+        # RoPE on the first qk_rope_head_dim dims, NeoX (non-interleaved) layout.
+        q = xp.concatenate([_rope(xp, q[..., :r], positions, c.rope_theta, False),
+                            q[..., r:]], axis=-1)
+        k = xp.concatenate([_rope(xp, k[:, :r], positions, c.rope_theta, False), k[:, r:]],
+                           axis=-1)
+        if c.index_hadamard:
+            q, k = hadamard_rotate(q), hadamard_rotate(k)
+        q = xp.ascontiguousarray(q, dtype=xp.float32)
+        q_codes, q_scales = quantize_fp8(q, block_size=c.index_head_dim,
+                                         scale_fmt=c.index_scale_fmt, eps=INDEX_Q_EPS)
+        w = fold_weights(xp.ascontiguousarray(x @ self.weights_proj, dtype=xp.float32),
+                         q_scales[..., 0], c.index_head_dim)
+        return q_codes, w, xp.ascontiguousarray(k, dtype=xp.float32)
+
+
+class DeepseekV32MLA:
+    """One DeepSeek-V3.2 attention layer with its indexer, on NumPy or CuPy.
+
+    Parameters
+    ----------
+    config : MLAConfig
+    layer_name : str
+        The key of this layer's MLA metadata in the forward context.
+    is_mtp_layer : bool
+        An MTP draft layer: its top-k rows are reused by later draft steps, so
+        it never enables the short-prefill skip.
+    skip_topk : bool
+        Index sharing: the layer owns no indexer and reads the rows an earlier
+        layer of the same forward pass wrote. (The runtime flag
+        :attr:`skip_topk` still starts False.)
+    use_pcp : bool
+        Prefill context parallelism (disables the skip).
+    platform : object with ``is_cuda()``, optional
+        Default: detected (CUDA when CuPy sees a device).
+    weights : dict, optional
+        Layer weights as from :func:`init_weights` (NumPy or CuPy arrays).
+    seed : int
+        Seed of the random weights when ``weights`` is None.
+    xp : module
+        ``numpy`` or ``cupy``: the backend of the weights, caches and inputs.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cpsparse.mla import DeepseekV32MLA, MLAConfig
+    >>> from cpsparse.metadata import ForwardContext, build_batch, set_forward_context
+    >>> from cpsparse.platform import StaticPlatform
+    >>> cfg = MLAConfig.small()
+    >>> layer = DeepseekV32MLA(cfg, "layers.0", platform=StaticPlatform(cuda=True))
+    >>> layer._dense_mha_metadata_layer_name
+    'layers.0'
+    >>> layer.allocate_kv_cache(num_blocks=8, max_num_tokens=64)
+    >>> meta = build_batch([40], [0], np.arange(8, dtype=np.int32)[None],
+    ...                    block_size=cfg.block_size, index_topk=cfg.index_topk)
+    >>> x = np.random.default_rng(0).standard_normal((40, cfg.hidden_size)).astype(np.float32)
+    >>> with set_forward_context(ForwardContext.for_layers(meta, ["layers.0"])):
+    ...     y = layer.forward(x)
+    >>> y.shape, layer.indexer.stats.skipped       # 40 <= topk 64: scoring skipped
+    ((40, 256), 1)
+    """
+
+    def __init__(self, config, layer_name, *, is_mtp_layer=False, skip_topk=False,
+                 use_pcp=False, platform=None, weights=None, seed=0, xp=numpy):
+        if not isinstance(config, MLAConfig):
+            raise TypeError(f"Invalid config: expected MLAConfig, got {type(config).__qualname__}")
+        self.config = config
+        self.layer_name = str(layer_name)
+        self.is_mtp_layer = bool(is_mtp_layer)
+        self.shares_topk = bool(skip_topk)
+        self.use_pcp = bool(use_pcp)
+        self.platform = current_platform() if platform is None else platform
+        self.xp = xp
+        # The gate: decided here, once. The indexer only ever sees the name.
+        self.enable_short_prefill_scoring_skip = (
+            not self.is_mtp_layer and not self.shares_topk and not self.use_pcp
+            and bool(self.platform.is_cuda()))
+        self._dense_mha_metadata_layer_name = (
+            self.layer_name if self.enable_short_prefill_scoring_skip else "")
+        # The runtime flag (MTP reuse) starts False whatever the argument was.
+        self.skip_topk = False
+        self._reusable_topk_rows = None
+
+        if weights is None:
+            weights = init_weights(config, seed, with_indexer=not self.shares_topk)
+        c = config
+        self.q_a_proj = xp.asarray(weights["q_a_proj"])
+        self.q_a_layernorm = xp.asarray(weights["q_a_layernorm"])
+        self.q_b_proj = xp.asarray(weights["q_b_proj"])
+        self.kv_a_proj = xp.asarray(weights["kv_a_proj_with_mqa"])
+        self.kv_a_layernorm = xp.asarray(weights["kv_a_layernorm"])
+        kv_b = xp.asarray(weights["kv_b_proj"]).reshape(
+            c.kv_lora_rank, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
+        # Weight absorption: W_UK folds into the query, W_UV into the output.
+        self.w_uk = xp.ascontiguousarray(kv_b[:, :, :c.qk_nope_head_dim].transpose(1, 2, 0))
+        self.w_uv = xp.ascontiguousarray(kv_b[:, :, c.qk_nope_head_dim:].transpose(1, 0, 2))
+        self.o_proj = xp.asarray(weights["o_proj"])
+        self.indexer = None if self.shares_topk else _Indexer(c, weights, xp)
+        self.attention_stats = AttentionStats()
+        self.mla_cache = None
+        self.indexer_cache = None
+        self.topk_indices_buffer = None
+
+    def __repr__(self):
+        return (f"DeepseekV32MLA({self.layer_name!r}, is_mtp_layer={self.is_mtp_layer}, "
+                f"shares_topk={self.shares_topk}, use_pcp={self.use_pcp}, "
+                f"skip={'on' if self._dense_mha_metadata_layer_name else 'off'})")
+
+    # ---- caches and the shared buffer ---------------------------------------
+
+    def allocate_kv_cache(self, num_blocks, max_num_tokens=None, topk_indices_buffer=None):
+        """Allocate this layer's paged caches and bind the shared top-k buffer.
+
+        Pass the same ``topk_indices_buffer`` to every layer of a model
+        (index sharing reads it); by default a private one of
+        ``max_num_tokens`` rows is made.
+        """
+        c, xp = self.config, self.xp
+        self.mla_cache = MLAKVCache(num_blocks, c.block_size, c.kv_lora_rank,
+                                    c.qk_rope_head_dim, xp=xp)
+        if self.indexer is not None:
+            self.indexer_cache = IndexerKCache(num_blocks, c.block_size, c.index_head_dim,
+                                               xp=xp, scale_fmt=c.index_scale_fmt)
+        if topk_indices_buffer is None:
+            if max_num_tokens is None:
+                raise ValueError("Invalid arguments: give max_num_tokens or a shared "
+                                 "topk_indices_buffer")
+            topk_indices_buffer = xp.full((max_num_tokens, c.index_topk), -1, dtype=xp.int32)
+        if topk_indices_buffer.shape[1:] != (c.index_topk,):
+            raise ValueError(f"Invalid shape of topk_indices_buffer: expected [max_num_tokens, "
+                             f"{c.index_topk}], got {tuple(topk_indices_buffer.shape)}")
+        self.topk_indices_buffer = topk_indices_buffer
+
+    # ---- MTP reuse -----------------------------------------------------------
+
+    def set_skip_topk(self, skip):
+        """Switch the runtime top-k reuse (MTP draft steps 1+) on or off.
+
+        Turning it on requires rows this layer's indexer wrote (step 0) and
+        that the caller compacted (:meth:`mark_reusable_topk_rows`);
+        reusing before step 0 ran is an error, not silent garbage.
+        """
+        skip = bool(skip)
+        if skip and self._reusable_topk_rows is None:
+            raise RuntimeError(f"{self.layer_name}: set_skip_topk(True) before a step 0 "
+                               "wrote top-k rows to reuse")
+        self.skip_topk = skip
+        if not skip:
+            self._reusable_topk_rows = None
+
+    def mark_reusable_topk_rows(self, num_rows):
+        """Declare buffer rows [0, num_rows) valid for reuse (after compaction)."""
+        self._reusable_topk_rows = int(num_rows)
+
+    # ---- forward -------------------------------------------------------------
+
+    def forward(self, hidden_states, *, forward_context=None):
+        """Attention output [T, hidden] for the batch of the forward context."""
+        ctx = get_forward_context() if forward_context is None else forward_context
+        batch = ctx.batch
+        xp, c = self.xp, self.config
+        if self.mla_cache is None:
+            raise RuntimeError(f"{self.layer_name}: call allocate_kv_cache() before forward()")
+        _backend.get_array_module(hidden_states=hidden_states, cache=self.mla_cache.data)
+        tokens = batch.num_tokens
+        if hidden_states.ndim != 2 or hidden_states.shape[0] < tokens or \
+                hidden_states.shape[1] != c.hidden_size:
+            raise ValueError(f"Invalid shape of hidden_states: expected [>= {tokens}, "
+                             f"{c.hidden_size}], got {tuple(hidden_states.shape)}")
+        if self.topk_indices_buffer.shape[0] < tokens:
+            raise ValueError(f"Invalid batch: {tokens} tokens but the top-k buffer has "
+                             f"{self.topk_indices_buffer.shape[0]} rows")
+        x = xp.asarray(hidden_states[:tokens], dtype=xp.float32)
+        positions = batch.positions
+        h, r, lora = c.num_heads, c.qk_rope_head_dim, c.kv_lora_rank
+
+        q_c = _rms_norm(xp, x @ self.q_a_proj, self.q_a_layernorm, c.rms_norm_eps)
+        q = (q_c @ self.q_b_proj).reshape(tokens, h, c.qk_head_dim)
+        kv = x @ self.kv_a_proj
+        kv_c = _rms_norm(xp, kv[:, :lora], self.kv_a_layernorm, c.rms_norm_eps)
+        k_pe = _rope(xp, kv[:, lora:], positions, c.rope_theta, True)
+        q_pe = _rope(xp, q[..., c.qk_nope_head_dim:], positions, c.rope_theta, True)
+        self.mla_cache.insert(kv_c, xp.ascontiguousarray(k_pe), batch.slot_mapping)
+        # [T, H, nope] x [H, nope, L] -> [T, H, L]
+        q_abs = xp.matmul(q[..., :c.qk_nope_head_dim].transpose(1, 0, 2), self.w_uk)
+        q_full = xp.ascontiguousarray(
+            xp.concatenate([q_abs.transpose(1, 0, 2), q_pe], axis=-1), dtype=xp.float32)
+
+        latent = self._fused_attention(x, q_c, q_full, batch, ctx)
+        out = xp.matmul(latent.transpose(1, 0, 2), self.w_uv).transpose(1, 0, 2)
+        return (out.reshape(tokens, h * c.v_head_dim) @ self.o_proj).astype(xp.float32)
+
+    __call__ = forward
+
+    def _fused_attention(self, x, q_c, q_full, batch, ctx):
+        """Indexer (unless shared or reused), then the attention routes."""
+        xp, c = self.xp, self.config
+        tokens = batch.num_tokens
+        if self.indexer is not None and not self.skip_topk:
+            q_codes, w, k = self.indexer.queries_keys(xp, x, q_c, batch.positions)
+            sparse_attn_indexer(
+                q_codes, w, k, self.indexer_cache, batch, self.topk_indices_buffer,
+                use_pcp=self.use_pcp,
+                dense_mha_metadata_layer_name=self._dense_mha_metadata_layer_name,
+                forward_context=ctx, stats=self.indexer.stats)
+            self._reusable_topk_rows = tokens
+        elif self.skip_topk and tokens > self._reusable_topk_rows:
+            raise RuntimeError(f"{self.layer_name}: reusing top-k rows for {tokens} tokens, "
+                               f"but only {self._reusable_topk_rows} rows were kept")
+
+        mla = ctx.attn_metadata.get(self.layer_name, batch.mla)
+        nd = mla.num_decode_tokens
+        self.attention_stats.forwards += 1
+        out = xp.zeros((tokens, c.num_heads, c.kv_lora_rank), dtype=xp.float32)
+        if nd:
+            out[:nd] = self._sparse(q_full[:nd], batch, 0, nd)
+        if nd < tokens:
+            if mla.prefill is not None and mla.prefill.use_dense_mha:
+                # Dense route: the top-k buffer is not read (it may be stale or -1).
+                out[nd:] = self._dense(q_full[nd:], batch, mla.num_decodes)
+            else:
+                out[nd:] = self._sparse(q_full[nd:], batch, nd, tokens)
+        return out
+
+    def _sparse(self, q, batch, row0, row1):
+        c = self.config
+        rows = self.topk_indices_buffer[row0:row1]
+        self.attention_stats.buffer_rows_read += row1 - row0
+        self.attention_stats.sparse_tokens += row1 - row0
+        slots = local_to_global_slots(rows, batch.req_ids[row0:row1], batch.block_table,
+                                      c.block_size)
+        out, _ = sparse_mla_attention(q, self.mla_cache, slots, c.sm_scale)
+        return out
+
+    def _dense(self, q, batch, first_request):
+        """Causal MHA of the prefill requests over all their cached latents."""
+        xp, c = self.xp, self.config
+        table = batch.block_table
+        reqs = range(first_request, batch.num_reqs)
+        seq = batch.seq_lens[first_request:]
+        cu_k = numpy.concatenate([[0], numpy.cumsum(seq)]).astype(numpy.int32)
+        qlen = batch.query_lens[first_request:]
+        cu_q = numpy.concatenate([[0], numpy.cumsum(qlen)]).astype(numpy.int32)
+        slots = []
+        for r, n in zip(reqs, seq.tolist()):
+            pos = xp.arange(n)
+            slots.append(table[r, pos // c.block_size].astype(xp.int64) * c.block_size
+                         + pos % c.block_size)
+        slot_arr = xp.concatenate(slots).astype(xp.int32) if slots else xp.zeros(0, xp.int32)
+        kv = self.mla_cache.gather(slot_arr)
+        self.attention_stats.dense_tokens += q.shape[0]
+        out, _ = dense_mla_attention(q, kv, c.sm_scale, cu_seqlens_q=xp.asarray(cu_q),
+                                     cu_seqlens_k=xp.asarray(cu_k), d_v=c.kv_lora_rank)
+        return out
+
+
+class DeepseekV32AttentionStack:
+    """A stack of attention layers sharing one top-k buffer (what a model holds).
+
+    Each layer is applied with a residual connection, ``x = x + layer(x)``.
+    ``index_share_every=n`` makes every layer whose index is not a multiple of
+    n an index-sharing layer (``skip_topk=True``: reads the rows of the last
+    layer that scored).
+
+    Examples
+    --------
+    >>> from cpsparse.mla import DeepseekV32AttentionStack, MLAConfig
+    >>> stack = DeepseekV32AttentionStack(MLAConfig.small(), num_layers=3,
+    ...                                   index_share_every=2, num_blocks=4, max_num_tokens=32)
+    >>> [layer.indexer is None for layer in stack.layers]
+    [False, True, False]
+    """
+
+    def __init__(self, config, num_layers, *, index_share_every=1, num_blocks, max_num_tokens,
+                 platform=None, seed=0, xp=numpy, prefix="layers"):
+        self.config = config
+        self.xp = xp
+        self.topk_indices_buffer = xp.full((max_num_tokens, config.index_topk), -1,
+                                           dtype=xp.int32)
+        self.layers = []
+        for i in range(num_layers):
+            layer = DeepseekV32MLA(config, f"{prefix}.{i}.attn",
+                                   skip_topk=(i % index_share_every) != 0, platform=platform,
+                                   seed=seed + i, xp=xp)
+            layer.allocate_kv_cache(num_blocks, topk_indices_buffer=self.topk_indices_buffer)
+            self.layers.append(layer)
+
+    @property
+    def layer_names(self):
+        return [layer.layer_name for layer in self.layers]
+
+    def forward(self, hidden_states, *, forward_context=None):
+        ctx = get_forward_context() if forward_context is None else forward_context
+        x = hidden_states[:ctx.batch.num_tokens]
+        for layer in self.layers:
+            x = x + layer.forward(x, forward_context=ctx)
+        return x
+
+    __call__ = forward

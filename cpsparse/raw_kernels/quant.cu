@@ -1,0 +1,109 @@
+// FP8 group quantization and the indexer key cache (vLLM page layout):
+// quantize, quantize + insert (slot -1 skipped), gather for prefill.
+//
+// One warp per group (quantize) or per token (insert/gather): a token's 128
+// values are 4 per lane, read as one float4 per lane (16-byte accesses).
+
+#define CPS_MAX_VEC 8
+
+// One warp quantizes n (multiple of 4, <= 32 * 4 * CPS_MAX_VEC) consecutive
+// float32 values with one scale: 16-byte loads, amax by shuffles, then one
+// 4-byte store of codes per lane per vector. Returns the scale (all lanes).
+__device__ __forceinline__ float cps_warp_quantize(const float* __restrict__ src, int n,
+                                                   u8* __restrict__ dst, float eps,
+                                                   bool ue8m0, int lane) {
+    float v[4 * CPS_MAX_VEC];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < CPS_MAX_VEC; ++i) {
+        int c = (i * 32 + lane) * 4;
+        if (c < n) {
+            float4 f = *reinterpret_cast<const float4*>(src + c);
+            v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
+            amax = fmaxf(amax, fmaxf(fmaxf(fabsf(f.x), fabsf(f.y)),
+                                     fmaxf(fabsf(f.z), fabsf(f.w))));
+        }
+    }
+    amax = cps_warp_max(amax);
+    const float s = cps_group_scale(amax, eps, ue8m0);
+#pragma unroll
+    for (int i = 0; i < CPS_MAX_VEC; ++i) {
+        int c = (i * 32 + lane) * 4;
+        if (c < n) {
+            u32 packed = (u32)cps_e4m3_encode(__fdiv_rn(v[4 * i], s))
+                       | ((u32)cps_e4m3_encode(__fdiv_rn(v[4 * i + 1], s)) << 8)
+                       | ((u32)cps_e4m3_encode(__fdiv_rn(v[4 * i + 2], s)) << 16)
+                       | ((u32)cps_e4m3_encode(__fdiv_rn(v[4 * i + 3], s)) << 24);
+            *reinterpret_cast<u32*>(dst + c) = packed;
+        }
+    }
+    return s;
+}
+
+// x [n_groups * group] float32 -> codes (same layout), scales [n_groups].
+extern "C" __global__ void cps_quantize_fp8(const float* __restrict__ x,
+                                            u8* __restrict__ codes,
+                                            float* __restrict__ scales,
+                                            long long n_groups, int group,
+                                            float eps, int ue8m0) {
+    const int lane = threadIdx.x & 31;
+    const long long g = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (g >= n_groups) return;
+    const float s = cps_warp_quantize(x + g * group, group, codes + g * group, eps,
+                                      ue8m0 != 0, lane);
+    if (lane == 0) scales[g] = s;
+}
+
+// k [n, head_dim] float32 -> the paged cache, one ue8m0/fp32 scale per key.
+extern "C" __global__ void cps_indexer_k_quant_and_cache(const float* __restrict__ k,
+                                                         const int* __restrict__ slot_mapping,
+                                                         u8* __restrict__ cache,
+                                                         long long n, int head_dim,
+                                                         int block_size, float eps, int ue8m0) {
+    const int lane = threadIdx.x & 31;
+    const long long t = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (t >= n) return;
+    const long long slot = slot_mapping[t];
+    if (slot < 0) return;                         // padding token: skipped
+    const long long page = (long long)block_size * (head_dim + 4);
+    const long long blk = slot / block_size;
+    const int off = (int)(slot % block_size);
+    const float s = cps_warp_quantize(k + t * head_dim, head_dim,
+                                      cache + blk * page + (long long)off * head_dim, eps,
+                                      ue8m0 != 0, lane);
+    if (lane == 0) {
+        *reinterpret_cast<float*>(cache + blk * page + (long long)block_size * head_dim
+                                  + 4ll * off) = s;
+    }
+}
+
+// Gather the keys of a packed batch: row n of request r = position n - cu[r],
+// read from page block_table[r, p / block_size]. One warp per key;
+// req_of_row [N] gives r (computed on the host side from cu_seq_lens).
+extern "C" __global__ void cps_indexer_k_gather(const u8* __restrict__ cache,
+                                                const int* __restrict__ block_table,
+                                                int max_blocks,
+                                                const int* __restrict__ cu_seq_lens,
+                                                const int* __restrict__ req_of_row,
+                                                u8* __restrict__ codes,
+                                                float* __restrict__ scales,
+                                                long long n, int head_dim, int block_size) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= n) return;
+    const int r = req_of_row[row];
+    const long long p = row - cu_seq_lens[r];
+    const long long page = (long long)block_size * (head_dim + 4);
+    const long long blk = block_table[(long long)r * max_blocks + p / block_size];
+    const int off = (int)(p % block_size);
+    const u8* src = cache + blk * page + (long long)off * head_dim;
+    u8* dst = codes + row * head_dim;
+    for (int c = lane * 4; c < head_dim; c += 128) {
+        *reinterpret_cast<u32*>(dst + c) = *reinterpret_cast<const u32*>(src + c);
+    }
+    if (lane == 0) {
+        scales[row] = *reinterpret_cast<const float*>(cache + blk * page
+                                                      + (long long)block_size * head_dim
+                                                      + 4ll * off);
+    }
+}

@@ -1,0 +1,362 @@
+"""Per-row top-k: ``topk_per_row`` and ``topk_per_row_decode`` (DESIGN section 6).
+
+Two oracles, both plain NumPy:
+
+* the contract (DESIGN): positions relative to row_start; a row no longer than
+  k gives 0..len-1 then -1; a longer row gives k distinct in-window positions
+  holding its k largest values (set test: min selected >= max unselected);
+* the documented order (docstring): largest first, ties to the lower
+  position, NaN below every number (-inf included), i.e. a stable argsort of
+  ``-values``.
+"""
+
+import numpy as np
+import pytest
+
+from cpsparse.indexer import topk_per_row, topk_per_row_decode
+
+KS = [1, 4, 64, 512]
+
+
+# ---------------------------------------------------------------- oracles ----
+
+def expected_row(window, k):
+    """Documented order for one row's window values (float32 [n])."""
+    n = window.shape[0]
+    if n <= k:
+        return np.concatenate([np.arange(n), np.full(k - n, -1)]).astype(np.int32)
+    # numpy sorts NaN last; -(-inf) = +inf sorts just before NaN; stable = lower position.
+    return np.argsort(-window.astype(np.float64), kind="stable")[:k].astype(np.int32)
+
+
+def check_row_contract(window, got, k):
+    """DESIGN section 6 for one row, order-free."""
+    n = window.shape[0]
+    assert got.shape == (k,)
+    if n <= k:
+        np.testing.assert_array_equal(got[:n], np.arange(n))
+        np.testing.assert_array_equal(got[n:], -1)
+        return
+    assert (got >= 0).all() and (got < n).all(), got
+    assert np.unique(got).size == k, "duplicate positions"
+    chosen_mask = np.zeros(n, bool)
+    chosen_mask[got] = True
+    chosen, rest = window[chosen_mask], window[~chosen_mask]
+    rest_num = rest[~np.isnan(rest)]
+    chosen_num = chosen[~np.isnan(chosen)]
+    if np.isnan(chosen).any():
+        # NaN is chosen only when nothing else is left.
+        assert rest_num.size == 0, "NaN selected while a number was left out"
+    if rest_num.size:
+        assert chosen_num.min() >= rest_num.max(), (chosen_num.min(), rest_num.max())
+
+
+# ---------------------------------------------------------- row generators ---
+
+def low_bits(rng, n):
+    base = np.float32(1.0).view(np.uint32)
+    v = (base + np.arange(n, dtype=np.uint32)).view(np.float32)
+    return rng.permutation(v)
+
+
+def gen_row(kind, rng, n, k):
+    if kind == "normal":
+        v = rng.standard_normal(n)
+    elif kind == "all_equal":
+        v = np.full(n, 0.75)
+    elif kind == "threshold_ties":
+        v = rng.uniform(-2, -1, n)
+        top = rng.choice(n, size=min(k // 2, n), replace=False)
+        v[top] = rng.uniform(5, 6, top.size)
+        rest = np.setdiff1d(np.arange(n), top)
+        v[rng.choice(rest, size=min(rest.size, k + 3), replace=False)] = 1.0
+    elif kind == "duplicates":
+        v = rng.integers(0, 3, n).astype(np.float64)
+    elif kind == "neg_inf_tail_few":
+        v = np.full(n, -np.inf)
+        m = min(k // 2, n)
+        v[:m] = rng.standard_normal(m)
+    elif kind == "neg_inf_tail_many":
+        v = np.full(n, -np.inf)
+        m = min(k + 2, n)
+        v[:m] = rng.standard_normal(m)
+    elif kind == "nan_some":
+        v = rng.standard_normal(n)
+        v[rng.random(n) < 0.3] = np.nan
+    elif kind == "nan_most":
+        v = np.full(n, np.nan)
+        m = min(max(1, k // 3), n // 2)
+        v[rng.choice(n, m, replace=False)] = rng.standard_normal(m)
+        free = np.flatnonzero(np.isnan(v))
+        v[rng.choice(free, m, replace=False)] = -np.inf
+    elif kind == "nan_all":
+        v = np.full(n, np.nan)
+    elif kind == "nan_and_neg_inf":
+        v = np.where(rng.random(n) < 0.5, np.nan, -np.inf)
+    elif kind == "huge":
+        v = rng.standard_normal(n)
+        v[rng.integers(n)] = np.finfo(np.float32).max
+    elif kind == "pos_inf":
+        v = rng.standard_normal(n)
+        v[rng.integers(n)] = np.inf
+    elif kind == "ascending":
+        v = np.arange(n, dtype=np.float64)
+    elif kind == "descending":
+        v = -np.arange(n, dtype=np.float64)
+    elif kind == "low_bits":
+        return low_bits(rng, n)
+    elif kind == "signed_zeros":
+        v = np.where(rng.random(n) < 0.5, 0.0, -0.0)
+        v[rng.random(n) < 0.3] = -1.0
+    elif kind == "subnormal":
+        tiny = np.finfo(np.float32).smallest_subnormal
+        v = rng.integers(-5, 6, n) * float(tiny)
+    elif kind == "negative":
+        v = -np.exp(rng.standard_normal(n)) - 1e3
+    else:
+        raise AssertionError(kind)
+    return np.asarray(v, np.float32)
+
+
+KINDS = ["normal", "all_equal", "threshold_ties", "duplicates", "neg_inf_tail_few",
+         "neg_inf_tail_many", "nan_some", "nan_most", "nan_all", "nan_and_neg_inf", "huge",
+         "pos_inf", "ascending", "descending", "low_bits", "signed_zeros", "subnormal",
+         "negative"]
+
+
+def poison(rng, n):
+    """Out-of-window filler that a correct top-k never picks: +inf, float max, NaN."""
+    choices = np.array([np.inf, np.finfo(np.float32).max, np.nan, 1e30], np.float32)
+    return choices[rng.integers(0, 4, n)]
+
+
+def build_case(k, seed):
+    """logits [M, N], row_starts, row_ends covering every kind and edge length."""
+    rng = np.random.default_rng(seed)
+    width = 2 * k + 40
+    rows = []
+    lengths_long = [k + 1, 2 * k + 5, width]
+    for kind in KINDS:
+        for n in lengths_long:
+            rows.append((kind, n))
+    for kind in ("normal", "nan_all", "neg_inf_tail_few", "pos_inf"):
+        for n in sorted({0, 1, max(k - 1, 0), k}):
+            rows.append((kind, n))
+    logits = np.empty((len(rows), width), np.float32)
+    starts, ends = [], []
+    for r, (kind, n) in enumerate(rows):
+        s = int(rng.integers(0, width - n + 1))
+        logits[r] = poison(rng, width)
+        if n:
+            logits[r, s:s + n] = gen_row(kind, rng, n, k)
+        starts.append(s)
+        ends.append(s + n)
+    return logits, np.array(starts, np.int32), np.array(ends, np.int32), rows
+
+
+# ------------------------------------------------------------ topk_per_row ---
+
+@pytest.mark.parametrize("k", KS)
+def test_topk_per_row_contract(k):
+    logits, starts, ends, rows = build_case(k, seed=k)
+    got = topk_per_row(logits, starts, ends, k)
+    assert isinstance(got, np.ndarray) and got.dtype == np.int32 and got.shape == (len(rows), k)
+    for r, (kind, n) in enumerate(rows):
+        window = logits[r, starts[r]:ends[r]]
+        try:
+            check_row_contract(window, got[r], k)
+        except AssertionError as e:
+            raise AssertionError(f"row {r} kind={kind} len={n}: {e}") from e
+
+
+@pytest.mark.parametrize("k", KS)
+def test_topk_per_row_documented_order(k):
+    logits, starts, ends, rows = build_case(k, seed=1000 + k)
+    got = topk_per_row(logits, starts, ends, k)
+    for r, (kind, n) in enumerate(rows):
+        want = expected_row(logits[r, starts[r]:ends[r]], k)
+        np.testing.assert_array_equal(got[r], want, err_msg=f"row {r} kind={kind} len={n}")
+
+
+def test_nan_rule_small_examples():
+    nan, inf = np.nan, np.inf
+    logits = np.array([
+        [nan, 1.0, nan, -inf, 2.0, nan],     # numbers, then -inf, then NaN
+        [nan, nan, nan, nan, nan, nan],      # all NaN: still k valid positions
+        [nan, -inf, nan, -inf, nan, -inf],   # -inf ranks above NaN
+        [0.0, nan, 3.0, nan, nan, 3.0],      # ties to the lower position
+    ], np.float32)
+    z = np.zeros(4, np.int32)
+    e = np.full(4, 6, np.int32)
+    got = topk_per_row(logits, z, e, 4)
+    np.testing.assert_array_equal(got, [[4, 1, 3, 0],
+                                        [0, 1, 2, 3],
+                                        [1, 3, 5, 0],
+                                        [2, 5, 0, 1]])
+
+
+def test_windows_are_relative_and_outside_never_read():
+    """Huge values just outside the window are ignored; indices are start-relative."""
+    inf = np.inf
+    logits = np.array([[inf, 1.0, 5.0, 3.0, 2.0, inf],
+                       [9.0, 9.0, 9.0, 0.0, 1.0, 2.0],
+                       [7.0, 7.0, np.nan, 7.0, 7.0, 7.0]], np.float32)
+    got = topk_per_row(logits, np.array([1, 3, 2], np.int32),
+                       np.array([5, 6, 2], np.int32), 2)
+    np.testing.assert_array_equal(got, [[1, 2], [2, 1], [-1, -1]])
+
+
+def test_short_rows_do_not_read_values():
+    """len <= k: 0..len-1 ascending then -1, whatever the values (NaN, -inf, +inf)."""
+    k = 8
+    logits = np.full((4, 20), np.nan, np.float32)
+    logits[1, 3:11] = -np.inf
+    logits[2, 5:9] = np.array([np.inf, -1, 5, np.nan], np.float32)
+    starts = np.array([0, 3, 5, 20], np.int32)
+    ends = np.array([7, 11, 9, 20], np.int32)
+    got = topk_per_row(logits, starts, ends, k)
+    want = np.full((4, k), -1, np.int32)
+    want[0, :7] = np.arange(7)
+    want[1, :8] = np.arange(8)
+    want[2, :4] = np.arange(4)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_exactly_k_and_k_plus_one():
+    k = 4
+    vals = np.array([3, 1, 4, 1, 5, 9, 2, 6], np.float32)
+    logits = np.tile(vals, (2, 1))
+    got = topk_per_row(logits, np.array([0, 0], np.int32), np.array([4, 5], np.int32), k)
+    np.testing.assert_array_equal(got[0], [0, 1, 2, 3])          # len == k: shortcut
+    np.testing.assert_array_equal(got[1], [4, 2, 0, 1])          # len == k+1: drop one "1"
+
+
+def test_k_larger_than_width_and_no_rows():
+    rng = np.random.default_rng(9)
+    logits = rng.standard_normal((3, 10)).astype(np.float32)
+    got = topk_per_row(logits, np.zeros(3, np.int32), np.array([10, 3, 0], np.int32), 512)
+    assert got.shape == (3, 512)
+    np.testing.assert_array_equal(got[0, :10], np.arange(10))
+    assert (got[0, 10:] == -1).all() and (got[1, 3:] == -1).all() and (got[2] == -1).all()
+    empty = topk_per_row(np.zeros((0, 10), np.float32), np.zeros(0, np.int32),
+                         np.zeros(0, np.int32), 4)
+    assert empty.shape == (0, 4) and empty.dtype == np.int32
+
+
+@pytest.mark.parametrize("k", [4, 64])
+def test_topk_per_row_out_is_row_slice_of_buffer(k):
+    logits, starts, ends, rows = build_case(k, seed=7 + k)
+    m = len(rows)
+    buf = np.full((m + 7, k), 12345, np.int32)
+    view = buf[3:3 + m]
+    assert view.flags.c_contiguous
+    res = topk_per_row(logits, starts, ends, k, out=view)
+    assert res is view
+    np.testing.assert_array_equal(buf[:3], 12345)
+    np.testing.assert_array_equal(buf[3 + m:], 12345)
+    fresh = topk_per_row(logits, starts, ends, k)
+    np.testing.assert_array_equal(buf[3:3 + m], fresh)
+    # Every row was written (short rows included).
+    assert not (buf[3:3 + m] == 12345).any()
+
+
+# ----------------------------------------------------- topk_per_row_decode ---
+
+def decode_ends(context_lens, next_n):
+    ends = []
+    for b in range(context_lens.shape[0]):
+        for j in range(next_n):
+            if context_lens.ndim == 1:
+                ends.append(max(0, int(context_lens[b]) - (next_n - 1 - j)))
+            else:
+                ends.append(int(context_lens[b, j]))
+    return ends
+
+
+def decode_case(rng, k, next_n, two_d):
+    width = 2 * k + 20
+    kinds = ["normal", "threshold_ties", "nan_some", "neg_inf_tail_few", "low_bits",
+             "duplicates"]
+    lens = [0, 1, next_n, k, k + 1, k + next_n, 2 * k, width, width - 1]
+    lens = [L for L in lens if L >= 0]
+    batch = len(lens)
+    logits = poison(rng, batch * next_n * width).reshape(batch * next_n, width)
+    if two_d:
+        ctx = np.stack([rng.integers(0, L + 1, next_n) if L else np.zeros(next_n, int)
+                        for L in lens]).astype(np.int32)
+        ctx[:, -1] = lens
+        ctx[3, 0] = k
+        ctx[4, 0] = k + 1
+    else:
+        ctx = np.array(lens, np.int32)
+    ends = decode_ends(ctx, next_n)
+    for row, e in enumerate(ends):
+        if e:
+            logits[row, :e] = gen_row(kinds[row % len(kinds)], rng, e, k)
+    return logits, ctx, ends
+
+
+@pytest.mark.parametrize("k", [1, 4, 64])
+@pytest.mark.parametrize("next_n", [1, 2, 4])
+@pytest.mark.parametrize("two_d", [False, True], ids=["lens_1d", "lens_2d"])
+def test_topk_per_row_decode(k, next_n, two_d):
+    rng = np.random.default_rng(k * 100 + next_n * 10 + two_d)
+    logits, ctx, ends = decode_case(rng, k, next_n, two_d)
+    got = topk_per_row_decode(logits, ctx, next_n, k)
+    assert got.dtype == np.int32 and got.shape == (logits.shape[0], k)
+    for row, e in enumerate(ends):
+        window = logits[row, :e]
+        check_row_contract(window, got[row], k)
+        np.testing.assert_array_equal(got[row], expected_row(window, k), err_msg=f"row {row}")
+
+
+def test_topk_per_row_decode_1d_window_arithmetic():
+    """next_n=2, L=4: row 0 sees [0, 3), row 1 sees [0, 4)."""
+    logits = np.array([[5, 1, 4, 9, 8], [5, 1, 4, 9, 8]], np.float32)
+    got = topk_per_row_decode(logits, np.array([4], np.int32), next_n=2, k=2)
+    np.testing.assert_array_equal(got, [[0, 2], [3, 0]])
+    got = topk_per_row_decode(logits, np.array([[3, 5]], np.int32), next_n=2, k=2)
+    np.testing.assert_array_equal(got, [[0, 2], [3, 4]])
+
+
+@pytest.mark.parametrize("next_n", [1, 4])
+def test_topk_per_row_decode_out_view(next_n):
+    rng = np.random.default_rng(500 + next_n)
+    k = 4
+    logits, ctx, ends = decode_case(rng, k, next_n, False)
+    rows = logits.shape[0]
+    buf = np.full((rows + 5, k), -777, np.int32)
+    view = buf[5:]
+    res = topk_per_row_decode(logits, ctx, next_n, k, out=view)
+    assert res is view
+    np.testing.assert_array_equal(buf[:5], -777)
+    np.testing.assert_array_equal(view, topk_per_row_decode(logits, ctx, next_n, k))
+    assert not (view == -777).any()
+
+
+def test_decode_equals_topk_per_row_with_zero_starts():
+    rng = np.random.default_rng(77)
+    k, next_n = 64, 2
+    logits, ctx, ends = decode_case(rng, k, next_n, False)
+    a = topk_per_row_decode(logits, ctx, next_n, k)
+    b = topk_per_row(logits, np.zeros(len(ends), np.int32), np.array(ends, np.int32), k)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_topk_per_row_k2048_long_rows():
+    rng = np.random.default_rng(2048)
+    k = 2048
+    width = 3 * k
+    logits = rng.standard_normal((6, width)).astype(np.float32)
+    logits[1] = logits[1].round(1)                        # heavy ties
+    logits[2, ::3] = np.nan
+    logits[3, k:] = -np.inf
+    logits[4] = low_bits(rng, width)
+    starts = np.array([0, 5, 0, 0, 100, 0], np.int32)
+    ends = np.array([width, width, width, width, width, k], np.int32)
+    got = topk_per_row(logits, starts, ends, k)
+    for r in range(6):
+        window = logits[r, starts[r]:ends[r]]
+        check_row_contract(window, got[r], k)
+        np.testing.assert_array_equal(got[r], expected_row(window, k))
