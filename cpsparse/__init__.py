@@ -14,12 +14,13 @@ GPU. Mixing the two is an error.
 __version__ = "0.1.0"
 
 from cpsparse import attention, indexer, reference  # noqa: F401
-from cpsparse._backend import get_array_module, gpu_available
+from cpsparse._backend import get_array_module, gpu_available, set_kernels_enabled
 from cpsparse._validation import set_device_value_checks
 from cpsparse.attention import (dense_mla_attention, local_to_global_slots,
                                 softmax_scale, sparse_mla_attention)
 from cpsparse.cache import IndexerKCache, MLAKVCache
 from cpsparse.fp8 import dequantize_fp8, quantize_fp8
+from cpsparse.raw_kernels import precompile
 from cpsparse.indexer import (fold_weights, hadamard_rotate, mqa_logits, paged_mqa_logits,
                               topk_per_row, topk_per_row_decode)
 
@@ -28,6 +29,7 @@ __all__ = [
     "mqa_logits", "paged_mqa_logits", "topk_per_row", "topk_per_row_decode",
     "fold_weights", "hadamard_rotate",
     "sparse_mla_attention", "dense_mla_attention", "local_to_global_slots", "softmax_scale",
-    "get_array_module", "gpu_available", "set_device_value_checks",
+    "get_array_module", "gpu_available", "set_device_value_checks", "set_kernels_enabled",
+    "precompile",
     "attention", "indexer", "reference",
 ]

@@ -35,7 +35,14 @@ def is_cupy_array(a):
 
 @functools.lru_cache(maxsize=None)
 def gpu_available():
-    """True when CuPy imports and sees at least one CUDA device."""
+    """True when CuPy imports and sees at least one CUDA device.
+
+    Examples
+    --------
+    >>> import cpsparse
+    >>> isinstance(cpsparse.gpu_available(), bool)
+    True
+    """
     cp = cupy_module()
     if cp is None:
         return False
@@ -67,6 +74,12 @@ def get_array_module(**arrays):
         If an argument is not a NumPy or CuPy array, or if NumPy and CuPy
         arrays are mixed (cpsparse never copies between host and device
         behind the caller's back).
+
+    Examples
+    --------
+    >>> import numpy as np, cpsparse
+    >>> cpsparse.get_array_module(logits=np.zeros(3), out=None) is np
+    True
     """
     found = {}
     for name, a in arrays.items():
@@ -115,7 +128,17 @@ def use_kernels(xp):
 
 
 def set_kernels_enabled(enabled):
-    """Switch CuPy inputs between the CUDA kernels (True) and the generic reference."""
+    """Switch CuPy inputs between the CUDA kernels (True) and the generic reference.
+
+    Returns the previous setting.
+
+    Examples
+    --------
+    >>> import cpsparse
+    >>> previous = cpsparse.set_kernels_enabled(False)   # CuPy runs the reference
+    >>> cpsparse.set_kernels_enabled(previous)
+    False
+    """
     previous = _KERNELS_ENABLED[0]
     _KERNELS_ENABLED[0] = bool(enabled)
     return previous

@@ -26,6 +26,13 @@ def set_device_value_checks(enabled):
     Value checks on NumPy inputs always run. On CuPy inputs they cost a
     device-to-host copy per call; production loops may turn them off.
     Returns the previous setting.
+
+    Examples
+    --------
+    >>> import cpsparse
+    >>> previous = cpsparse.set_device_value_checks(False)
+    >>> cpsparse.set_device_value_checks(previous)
+    False
     """
     previous = _DEVICE_VALUE_CHECKS[0]
     _DEVICE_VALUE_CHECKS[0] = bool(enabled)

@@ -118,6 +118,17 @@ def precompile(modules=None):
 
     Returns the names compiled. Call it at start-up to keep NVRTC out of the
     first forward pass (and out of CUDA graph capture).
+
+    Raises
+    ------
+    KernelUnavailable
+        Without CuPy or a CUDA device of compute capability 9.0 or newer.
+
+    Examples
+    --------
+    >>> import cpsparse
+    >>> cpsparse.precompile()          # doctest: +SKIP
+    ['quant', 'indexer', 'topk', 'attention']
     """
     names = list(MODULES) if modules is None else list(modules)
     for name in names:
