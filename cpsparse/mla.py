@@ -412,12 +412,15 @@ class DeepseekV32MLA:
         tokens = batch.num_tokens
         if self.indexer is not None and not self.skip_topk:
             q_codes, w, k = self.indexer.queries_keys(xp, x, q_c, batch.positions)
+            skipped_before = self.indexer.stats.skipped
             sparse_attn_indexer(
                 q_codes, w, k, self.indexer_cache, batch, self.topk_indices_buffer,
                 use_pcp=self.use_pcp,
                 dense_mha_metadata_layer_name=self._dense_mha_metadata_layer_name,
                 forward_context=ctx, stats=self.indexer.stats)
-            self._reusable_topk_rows = tokens
+            # Rows are reusable only if this call wrote them (no early return).
+            wrote = self.indexer.stats.skipped == skipped_before
+            self._reusable_topk_rows = tokens if wrote else None
         elif self.skip_topk and tokens > self._reusable_topk_rows:
             raise RuntimeError(f"{self.layer_name}: reusing top-k rows for {tokens} tokens, "
                                f"but only {self._reusable_topk_rows} rows were kept")

@@ -71,6 +71,10 @@ class MTPDrafter:
     def compact_rows(self, batch):
         """``buf[:R] = buf[last token row of each request]``; returns R."""
         xp = self.layer.xp
+        if (batch.query_lens < 1).any():
+            r = int((batch.query_lens < 1).argmax())
+            raise ValueError(f"Invalid step-0 batch: request {r} has no step-0 token, so it "
+                             "has no top-k row to reuse")
         rows = xp.asarray(batch.last_token_rows)
         buf = self.layer.topk_indices_buffer
         buf[:batch.num_reqs] = buf[rows]       # the right side is a copy: safe overlap
