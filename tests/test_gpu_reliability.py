@@ -1,0 +1,162 @@
+"""GPU reliability: CUDA graph capture + replay of a decode step, CuPy streams,
+concurrent precompile, and sizes whose index arithmetic passes 2**31."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import cpsparse
+from cpsparse import raw_kernels
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def cp():
+    import cupy
+    return cupy
+
+
+def _decode_inputs(cp, rng, batch, context, heads=64, mla_heads=16, topk=512, next_n=1):
+    bs = 64
+    pages = -(-context // bs)
+    table = rng.permutation(batch * pages).astype(np.int32).reshape(batch, pages)
+    icache = cpsparse.IndexerKCache(batch * pages, bs, 128, xp=cp)
+    keys = cp.asarray(rng.standard_normal((batch * pages * bs, 128)).astype(np.float32))
+    icache.insert(keys, cp.arange(batch * pages * bs, dtype=cp.int32))
+    mcache = cpsparse.MLAKVCache(batch * pages, bs, xp=cp)
+    mcache.insert(cp.asarray(rng.standard_normal((batch * pages * bs, 512)).astype(np.float32)),
+                  cp.asarray(rng.standard_normal((batch * pages * bs, 64)).astype(np.float32)),
+                  cp.arange(batch * pages * bs, dtype=cp.int32))
+    q8, qs = cpsparse.quantize_fp8(cp.asarray(rng.standard_normal(
+        (batch, next_n, heads, 128)).astype(np.float32)), eps=1e-10)
+    w = cpsparse.fold_weights(cp.asarray(rng.standard_normal(
+        (batch * next_n, heads)).astype(np.float32)), qs.reshape(batch * next_n, heads))
+    q = cp.asarray((rng.standard_normal((batch * next_n, mla_heads, 576)) * 0.1).astype(
+        np.float32))
+    lens = cp.full(batch, context, dtype=cp.int32)
+    return dict(icache=icache, mcache=mcache, q8=q8, w=w, q=q, lens=lens,
+                table=cp.asarray(table), topk=topk, next_n=next_n, context=context)
+
+
+def _decode_step(cp, d, buf, out_attn):
+    logits = cpsparse.paged_mqa_logits(d["q8"], d["icache"], d["w"], d["lens"], d["table"],
+                                       d["context"])
+    cpsparse.topk_per_row_decode(logits, d["lens"], d["next_n"], d["topk"], out=buf)
+    req = cp.repeat(cp.arange(d["lens"].size, dtype=cp.int32), d["next_n"])
+    slots = cpsparse.local_to_global_slots(buf, req, d["table"], 64)
+    out, lse = cpsparse.sparse_mla_attention(d["q"], d["mcache"], slots,
+                                             cpsparse.softmax_scale())
+    out_attn[...] = out
+
+
+def test_decode_step_captured_in_a_cuda_graph_replays_correctly(cp):
+    rng = np.random.default_rng(0)
+    d = _decode_inputs(cp, rng, batch=4, context=3000)
+    buf = cp.full((4, d["topk"]), -1, cp.int32)
+    eager = cp.zeros((4, 16, 512), cp.float32)
+    _decode_step(cp, d, buf, eager)                     # warm-up: compile, pool blocks
+    want_idx = cp.sort(buf, axis=1).get()
+    stream = cp.cuda.Stream(non_blocking=True)
+    replayed = cp.zeros_like(eager)
+    pool = cp.cuda.MemoryAsyncPool()                    # stream-ordered: capturable
+    old = cp.cuda.get_allocator()
+    cp.cuda.set_allocator(pool.malloc)
+    try:
+        with stream:
+            buf[...] = -7
+            stream.synchronize()
+            stream.begin_capture()
+            _decode_step(cp, d, buf, replayed)
+            graph = stream.end_capture()
+            replayed[...] = 0
+            buf[...] = -7
+            graph.launch(stream)
+            stream.synchronize()
+    finally:
+        cp.cuda.set_allocator(old)
+    assert np.array_equal(cp.sort(buf, axis=1).get(), want_idx)
+    np.testing.assert_allclose(replayed.get(), eager.get(), rtol=1e-5, atol=1e-6)
+
+
+def test_kernels_run_on_the_current_stream(cp):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 1024)).astype(np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        codes, scales = cpsparse.quantize_fp8(cp.asarray(x))
+        logits = cp.asarray(rng.standard_normal((64, 4096)).astype(np.float32))
+        idx = cpsparse.topk_per_row(logits, cp.zeros(64, cp.int32), cp.full(64, 4096, cp.int32),
+                                    256)
+    stream.synchronize()
+    want_c, want_s = cpsparse.quantize_fp8(x)
+    assert np.array_equal(codes.get(), want_c) and np.array_equal(scales.get(), want_s)
+    assert (idx.get() >= 0).all()
+
+
+def test_concurrent_precompile_from_many_threads(cp):
+    raw_kernels._COMPILED.clear()
+    errors = []
+
+    def worker():
+        try:
+            cp.cuda.Device(0).use()
+            raw_kernels.precompile()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert {name for _, name in raw_kernels._COMPILED} == set(raw_kernels.MODULES)
+
+
+@pytest.mark.slow
+def test_paged_logits_over_a_cache_larger_than_2_gib(cp):
+    """128 requests x 131072 keys: cache byte offsets pass 2**31."""
+    rng = np.random.default_rng(2)
+    batch, context, bs = 128, 131072, 64
+    pages = context // bs
+    num_blocks = batch * pages
+    cache = cpsparse.IndexerKCache(num_blocks, bs, 128, xp=cp)
+    assert cache.data.nbytes > 2 ** 31
+    cache.data[...] = cp.asarray(rng.integers(0, 0x7E, (1, cache.page_bytes), dtype=np.uint8))
+    scales = cp.full((num_blocks, bs), 0.5, cp.float32)
+    cache.data[:, bs * 128:] = scales.view(cp.uint8)
+    table = cp.asarray(rng.permutation(num_blocks).astype(np.int32).reshape(batch, pages))
+    q8 = cp.asarray(rng.integers(0, 0x7E, (batch, 1, 16, 128), dtype=np.uint8))
+    w = cp.asarray(rng.standard_normal((batch, 16)).astype(np.float32))
+    lens = cp.asarray(rng.integers(context - 500, context + 1, batch).astype(np.int32))
+    logits = cpsparse.paged_mqa_logits(q8, cache, w, lens, table, context)
+    # check the last request (its pages sit anywhere in the 2.2 GB cache) on the host
+    b = batch - 1
+    n = int(lens[b])
+    host_cache = cpsparse.IndexerKCache(pages, bs, 128)
+    host_cache.data[...] = cache.data[table[b].get()].get()
+    want = cpsparse.paged_mqa_logits(q8[b:b + 1].get(), host_cache, w[b:b + 1].get(),
+                                     np.array([n], np.int32),
+                                     np.arange(pages, dtype=np.int32)[None], context)
+    got = logits[b:b + 1].get()
+    fin = np.isfinite(want)
+    assert np.array_equal(fin, np.isfinite(got))
+    assert np.linalg.norm(got[fin] - want[fin]) <= 1e-3 * np.linalg.norm(want[fin])
+
+
+@pytest.mark.slow
+def test_topk_rows_past_2_to_the_31_elements(cp):
+    """16400 rows x 131072: row offsets pass 2**31 elements."""
+    rows, width, k = 16400, 131072, 2048
+    logits = cp.random.standard_normal((rows, width), dtype=cp.float32)
+    starts = cp.zeros(rows, cp.int32)
+    ends = cp.full(rows, width, cp.int32)
+    idx = cpsparse.topk_per_row(logits, starts, ends, k)
+    for r in (0, rows - 2, rows - 1):
+        row = logits[r].get()
+        sel = idx[r].get()
+        assert len(np.unique(sel)) == k and (sel >= 0).all() and (sel < width).all()
+        assert row[sel].min() >= np.delete(row, sel).max()
+    del logits
