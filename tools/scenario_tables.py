@@ -1,0 +1,39 @@
+"""Turn the JSON of ``python -m cpsparse.bench`` into docs/performance_scenarios.md.
+
+Usage: python tools/scenario_tables.py benchmarks/results/bench_cupy.json
+"""
+
+import json
+import pathlib
+import sys
+
+from cpsparse.bench import COLUMNS, _fmt
+
+TITLES = {
+    "short_prefill": "Short-prefill skip: indexer latency, gate enabled vs disabled",
+    "mtp": "MTP draft round (3 steps): indexer + attention time of steps 1+",
+    "decode_step": "Decode step of one layer (V3.2 shapes), split by stage",
+}
+
+
+def markdown(results):
+    c = results.get("ceilings", {})
+    lines = [f"### Scenarios (`python -m cpsparse.bench`), {results.get('device', '?')}, "
+             f"{results['date']}", "",
+             "Peers/ceilings measured in the same run: "
+             + ", ".join(f"{k} = {v:.4g}" for k, v in c.items()) + ".", ""]
+    for name, rows in results["scenarios"].items():
+        cols = COLUMNS[name]
+        lines += [f"**{TITLES[name]}**", "", "| " + " | ".join(cols) + " |",
+                  "| " + " | ".join("---" for _ in cols) + " |"]
+        lines += ["| " + " | ".join(_fmt(r.get(k)) for k in cols) + " |" for r in rows]
+        notes = sorted({r["graph_note"] for r in rows if r.get("graph_note")})
+        lines += [""] + [f"CUDA graph: {n}" for n in notes] + ([""] if notes else [])
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    data = json.loads(pathlib.Path(sys.argv[1]).read_text())
+    out = pathlib.Path(__file__).resolve().parent.parent / "docs" / "performance_scenarios.md"
+    out.write_text(markdown(data))
+    print(out)
