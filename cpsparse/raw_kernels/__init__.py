@@ -140,3 +140,4 @@ def precompile(modules=None):
 # Kernel issues add their modules here, e.g.
 #   register_module("indexer", ["common.cuh", "indexer.cu"])
 register_module("quant", ["common.cuh", "quant.cu"])
+register_module("indexer", ["common.cuh", "indexer.cu"])

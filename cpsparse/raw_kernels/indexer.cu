@@ -1,0 +1,553 @@
+// Lightning-indexer scoring on the tensor cores (DESIGN.md section 5):
+//
+//   I[t, s] = s_k[s] * sum_h W[t, h] * relu(sum_d q8[t, h, d] * k8[s, d])
+//
+// inside each query row's window, -inf outside (every output element written).
+//
+// One CTA = one warpgroup (128 threads) = a block of query rows ("rows"):
+//   * prefill (cps_mqa_logits_*): 128 // hp query tokens, all their heads, against
+//     the key tiles of [min ks, max ke) of those rows (tiles outside every row's window
+//     are skipped and written -inf by a vectorised fill);
+//   * decode (cps_paged_mqa_logits_*): the next_n rows of one request against one
+//     fixed-size piece of its context (grid = pieces x requests, sized on the host to
+//     fill whole waves of resident CTAs; long and short contexts balance because every
+//     CTA gets at most `piece_tiles` pages, and pieces past a context only write -inf).
+//     Each page is read once for all next_n rows (more than 128 columns: several
+//     column chunks per page, weights in smem).
+//
+// Key tiles are streamed with cp.async into a ring of STAGES buffers (one barrier per
+// tile); a tile of 64 contiguous keys (prefill, or a page of >= 64 keys) is copied with
+// per-thread constant offsets, smaller pages go key by key through the page table.
+//
+// Operand swap: the key tile is the M side (64 keys, one warp = 16 keys), the query
+// block is the N side (columns n = row * hp + head, hp = H rounded up to 8, zero
+// padded). So the fp32 accumulator of a thread holds, for its two keys (g, g + 8),
+// the columns 8i + 2t + {0, 1}: the ReLU-weighted head sum stays in registers
+// (x + |x| = 2 relu(x), the 1/2 folded into the key scale), two shuffle-xor steps
+// finish it across the 4 lanes that share a key, and the key scale is applied once.
+//
+// Shared memory holds the query block and a ring of key tiles, both K-major with
+// 128-byte rows (D = 128 e4m3 codes) in the 128B-swizzled layout (16-byte chunk c of
+// row r stored at chunk c ^ (r & 7)), filled with cp.async (zero-fill outside), so the
+// same bytes feed either
+//   * WG = true : wgmma.m64nNCk32 e4m3 (sm_90a), both operands by smem descriptor, or
+//   * WG = false: mma.sync.m16n8k32 e4m3 with ldmatrix (any sm_89+).
+// The accumulator layout of both is the same, so they share the epilogue.
+
+#define CPS_IDX_D 128
+#define CPS_IDX_TILE 64
+#define CPS_IDX_THREADS 128
+#define CPS_IDX_STAGES 4          // key tiles in the prefill ring (decode: 3 or 4)
+#define CPS_IDX_MAX_ROWS 64
+#define CPS_IDX_BT_CAP 256
+#define CPS_IDX_TILE_BYTES (CPS_IDX_TILE * CPS_IDX_D)
+#define CPS_NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ u32 cps_smem_u32(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void cps_cp_async16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cps_cp_async4(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cps_cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cps_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
+__device__ __forceinline__ void cps_fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---- wgmma (sm_90a) ------------------------------------------------------------
+
+// K-major operand with 128-byte rows, 128B swizzle: 8-row groups 1024 bytes apart.
+__device__ __forceinline__ u64 cps_wgmma_desc(u32 saddr) {
+    return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void cps_wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void cps_wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void cps_wgmma_wait0() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define CPS_HAS_WGMMA 1
+#else
+#define CPS_HAS_WGMMA 0
+#endif
+
+__device__ __forceinline__ void cps_wgmma_m64n64k32(float* d, u64 da, u64 db, int scale_d) {
+#if CPS_HAS_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
+        "%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
+          "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
+          "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
+          "+f"(d[31])
+        : "l"(da), "l"(db), "r"(scale_d));
+#endif
+}
+
+__device__ __forceinline__ void cps_wgmma_m64n128k32(float* d, u64 da, u64 db, int scale_d) {
+#if CPS_HAS_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
+        "%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,"
+        "%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+        "%64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
+          "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
+          "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
+          "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
+          "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),
+          "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),
+          "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]),
+          "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d));
+#endif
+}
+
+// Keep the compiler from touching the accumulators across the asynchronous wgmma.
+template <int N>
+__device__ __forceinline__ void cps_fence_regs(float* d) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+
+// ---- mma.sync (sm_89+) ---------------------------------------------------------
+
+__device__ __forceinline__ void cps_ldmatrix_x4(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void cps_mma_e4m3(float* d, const u32* a, u32 b0, u32 b1, bool zero) {
+    const float c0 = zero ? 0.f : d[0], c1 = zero ? 0.f : d[1];
+    const float c2 = zero ? 0.f : d[2], c3 = zero ? 0.f : d[3];
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1),
+          "f"(c0), "f"(c1), "f"(c2), "f"(c3));
+}
+
+// ---- the shared CTA body -------------------------------------------------------
+
+// -inf into row[c0:c1) by the CTA's 128 threads (16-byte stores where aligned).
+__device__ __forceinline__ void cps_fill_neg_inf(float* row, int c0, int c1, int tid) {
+    if (c1 <= c0) return;
+    float* p = row + c0;
+    const int n = c1 - c0;
+    int head = (int)(((16u - ((u32)(size_t)p & 15u)) & 15u) >> 2);
+    head = min(head, n);
+    const float ninf = CPS_NEG_INF;
+    if (tid < head) p[tid] = ninf;
+    float4* p4 = reinterpret_cast<float4*>(p + head);
+    const int n4 = (n - head) >> 2;
+    const float4 v = make_float4(ninf, ninf, ninf, ninf);
+    for (int i = tid; i < n4; i += CPS_IDX_THREADS) p4[i] = v;
+    const int t0 = head + 4 * n4;
+    if (tid < n - t0) p[t0 + tid] = ninf;
+}
+
+struct CpsIdxSmem {
+    u8* q;          // [nch * NC rows][128 B], swizzled
+    u8* k;          // [STAGES][64 rows][128 B], swizzled
+    float* ks;      // [STAGES][64] key scales
+    float* w;       // [nch * NC] head weights of the columns (decode)
+    int* lo;        // [MAX_ROWS] window start of each row
+    int* hi;        // [MAX_ROWS] window end of each row
+    int* bt;        // [BT_CAP] page ids of the piece (decode)
+};
+
+__host__ __device__ __forceinline__ int cps_idx_smem_bytes(int q_rows, int stages) {
+    return 1024 + q_rows * CPS_IDX_D + stages * (CPS_IDX_TILE_BYTES + CPS_IDX_TILE * 4)
+           + q_rows * 4 + 2 * CPS_IDX_MAX_ROWS * 4 + CPS_IDX_BT_CAP * 4;
+}
+
+__device__ __forceinline__ CpsIdxSmem cps_idx_carve(u8* raw, int q_rows, int stages) {
+    const u32 a = cps_smem_u32(raw);
+    u8* base = raw + ((1024u - (a & 1023u)) & 1023u);
+    CpsIdxSmem s;
+    s.q = base;
+    s.k = s.q + q_rows * CPS_IDX_D;
+    s.ks = reinterpret_cast<float*>(s.k + stages * CPS_IDX_TILE_BYTES);
+    s.w = s.ks + stages * CPS_IDX_TILE;
+    s.lo = reinterpret_cast<int*>(s.w + q_rows);
+    s.hi = s.lo + CPS_IDX_MAX_ROWS;
+    s.bt = s.hi + CPS_IDX_MAX_ROWS;
+    return s;
+}
+
+// Everything after the row windows are known (in s.lo / s.hi for rows < nrows).
+//   q_row0:  global row of the CTA's row 0 in q [rows, H, 128] and w [rows, H]
+//   rpc:     rows per column chunk (NC // hp); nch chunks
+//   own:     [own_lo, own_hi) the output columns this CTA writes for its rows
+//   key source: PAGED ? pages (cache, bt_row, page_bytes, bs_shift) : kc / ksc rows
+template <int NC, bool WG, bool PAGED, bool WREG, int STAGES>
+__device__ __forceinline__ void cps_idx_cta(
+        const CpsIdxSmem& s, int nrows, int rpc, int nch, int H, int hp,
+        const u8* __restrict__ q, const float* __restrict__ w, long long q_row0,
+        const u8* __restrict__ kc, const float* __restrict__ ksc,
+        int bt_first, long long page_bytes, int bs_shift,
+        float* __restrict__ out, long long out_row0, long long ld, int own_lo, int own_hi) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+
+    // Key range of the block: [lo, hi) over the non-empty windows, within own.
+    int lo = 0x7FFFFFFF, hi = -0x7FFFFFFF;
+    for (int r = 0; r < nrows; ++r) {
+        const int a = s.lo[r], b = s.hi[r];
+        if (b > a) { lo = min(lo, a); hi = max(hi, b); }
+    }
+    lo = max(lo, own_lo);
+    hi = min(hi, own_hi);
+    int t_lo = own_lo, t_hi = own_lo, ntiles = 0;
+    if (hi > lo) {
+        t_lo = own_lo + ((lo - own_lo) & ~(CPS_IDX_TILE - 1));
+        ntiles = (hi - t_lo + CPS_IDX_TILE - 1) / CPS_IDX_TILE;
+        t_hi = min(t_lo + ntiles * CPS_IDX_TILE, own_hi);
+    }
+    // -inf outside the visited tiles.
+    for (int r = 0; r < nrows; ++r) {
+        float* row = out + (out_row0 + r) * ld;
+        cps_fill_neg_inf(row, own_lo, t_lo, tid);
+        cps_fill_neg_inf(row, t_hi, own_hi, tid);
+    }
+    if (ntiles == 0) return;
+
+    const int bs_mask = (1 << bs_shift) - 1;
+
+    // Query block (cp.async group 0) and column weights.
+    const int q_rows = nch * NC;
+    const u32 sq = cps_smem_u32(s.q);
+    for (int idx = tid; idx < q_rows * 8; idx += CPS_IDX_THREADS) {
+        const int n = idx >> 3, c = idx & 7;
+        const int ch = n / NC, nn = n % NC;
+        const int rl = nn / hp, h = nn - rl * hp;
+        const int r = ch * rpc + rl;
+        const bool valid = rl < rpc && r < nrows && h < H;
+        const u8* src = valid ? q + ((q_row0 + r) * H + h) * CPS_IDX_D + c * 16 : q;
+        cps_cp_async16(sq + n * CPS_IDX_D + ((c ^ (n & 7)) << 4), src, valid);
+    }
+    cps_cp_async_commit();
+    // Column weights: registers (one chunk: the thread's columns 8i + 2t + {0,1}) or smem.
+    float wreg[WREG ? NC / 4 : 1];
+    if constexpr (!WREG) {
+        for (int n = tid; n < q_rows; n += CPS_IDX_THREADS) {
+            const int ch = n / NC, nn = n % NC;
+            const int rl = nn / hp, h = nn - rl * hp;
+            const int r = ch * rpc + rl;
+            const bool valid = rl < rpc && r < nrows && h < H;
+            s.w[n] = valid ? w[(q_row0 + r) * H + h] : 0.f;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < NC / 4; ++i) {
+            const int n = 8 * (i >> 1) + 2 * t + (i & 1);
+            const int rl = n / hp, h = n - rl * hp;
+            const bool valid = rl < rpc && rl < nrows && h < H;
+            wreg[WREG ? i : 0] = valid ? w[(q_row0 + rl) * H + h] : 0.f;
+        }
+    }
+    // Bit i: a row's columns end with column group i (8 columns).
+    u32 done_mask = 0;
+    for (int k = 1; k <= rpc; ++k) {
+        const int e = k * hp / 8 - 1;
+        if (e < NC / 8) done_mask |= 1u << e;
+    }
+
+    const u32 sk = cps_smem_u32(s.k);
+    const u32 sks = cps_smem_u32(s.ks);
+    // A tile whose 64 keys are contiguous in memory (prefill rows; a page of >= 64 keys)
+    // is copied with per-thread constant offsets: thread tid moves bytes [16 tid, +16) of
+    // each 2 KB quarter (key rows 16 it + tid / 8, chunk tid % 8).
+    const bool contiguous = !PAGED || bs_shift >= 6;
+    const int rr = tid >> 3;
+    const u32 dst_off = rr * CPS_IDX_D + (((tid & 7) ^ (rr & 7)) << 4);
+    auto load_tile = [&](int j) {
+        if (j < ntiles) {
+            const int buf = j % STAGES;
+            const int t0 = t_lo + j * CPS_IDX_TILE;
+            const u32 kdst = sk + buf * CPS_IDX_TILE_BYTES;
+            if (contiguous) {
+                const u8* codes;
+                const u8* scales;
+                if constexpr (PAGED) {
+                    const u8* page = kc + (long long)s.bt[(t0 >> bs_shift) - bt_first] * page_bytes;
+                    codes = page + (long long)(t0 & bs_mask) * CPS_IDX_D;
+                    scales = page + ((long long)(1 << bs_shift) << 7) + (t0 & bs_mask) * 4;
+                } else {
+                    codes = kc + (long long)t0 * CPS_IDX_D;
+                    scales = reinterpret_cast<const u8*>(ksc + t0);
+                }
+                const int lim = hi - t0 - rr;          // rows 16 it + rr < hi - t0 are keys
+#pragma unroll
+                for (int it = 0; it < 4; ++it) {
+                    const bool valid = 16 * it < lim;
+                    cps_cp_async16(kdst + it * 2048 + dst_off, valid ? codes + it * 2048 + tid * 16 : kc,
+                                   valid);
+                }
+                if (tid < CPS_IDX_TILE) {
+                    const bool valid = t0 + tid < hi;
+                    cps_cp_async4(sks + (buf * CPS_IDX_TILE + tid) * 4, valid ? scales + tid * 4 : kc,
+                                  valid);
+                }
+            } else {
+#pragma unroll
+                for (int it = 0; it < 4; ++it) {
+                    const int idx = it * CPS_IDX_THREADS + tid;
+                    const int r = idx >> 3, c = idx & 7;
+                    const int pos = t0 + r;
+                    const bool valid = pos < hi;
+                    const u8* src = kc;
+                    if (valid) {
+                        const long long pg = s.bt[(pos >> bs_shift) - bt_first];
+                        src = kc + pg * page_bytes + (long long)(pos & bs_mask) * CPS_IDX_D + c * 16;
+                    }
+                    cps_cp_async16(kdst + r * CPS_IDX_D + ((c ^ (r & 7)) << 4), src, valid);
+                }
+                if (tid < CPS_IDX_TILE) {
+                    const int pos = t0 + tid;
+                    const bool valid = pos < hi;
+                    const void* src = kc;
+                    if (valid) {
+                        const long long pg = s.bt[(pos >> bs_shift) - bt_first];
+                        src = kc + pg * page_bytes + ((long long)(1 << bs_shift) << 7)
+                              + (long long)(pos & bs_mask) * 4;
+                    }
+                    cps_cp_async4(sks + (buf * CPS_IDX_TILE + tid) * 4, src, valid);
+                }
+            }
+        }
+        cps_cp_async_commit();
+    };
+
+#pragma unroll
+    for (int j = 0; j < STAGES - 1; ++j) load_tile(j);
+
+    float acc[WG ? NC / 2 : 1];
+    for (int j = 0; j < ntiles; ++j) {
+        cps_cp_async_wait<STAGES - 2>();
+        cps_fence_proxy_async();
+        __syncthreads();
+        load_tile(j + STAGES - 1);
+        const int buf = j % STAGES;
+        const int t0 = t_lo + j * CPS_IDX_TILE;
+        const u32 a_addr = sk + buf * CPS_IDX_TILE_BYTES;
+        const int key0 = 16 * warp + g;
+        const float sk0 = 0.5f * s.ks[buf * CPS_IDX_TILE + key0];
+        const float sk1 = 0.5f * s.ks[buf * CPS_IDX_TILE + key0 + 8];
+
+        u32 afr[WG ? 1 : 16];
+        if constexpr (!WG) {
+            // A fragments (16 keys of this warp x 128 d): matrices (rows +0/+8) x (chunk 2ks/2ks+1)
+            const int m = lane >> 3;
+            const int row = 16 * warp + (lane & 7) + ((m & 1) << 3);
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks)
+                cps_ldmatrix_x4(&afr[WG ? 0 : 4 * ks],
+                                a_addr + row * CPS_IDX_D + (((2 * ks + (m >> 1)) ^ (lane & 7)) << 4));
+        }
+
+        for (int ch = 0; ch < nch; ++ch) {
+            const u32 b_addr = sq + ch * NC * CPS_IDX_D;
+            // Epilogue state: relu-weighted head sums of keys key0 / key0 + 8, one row at
+            // a time (row r's columns end at column group i when bit i of done_mask is set).
+            float s0a = 0.f, s0b = 0.f, s1a = 0.f, s1b = 0.f;
+            int r = ch * rpc;
+            auto epi = [&](int i, float x0, float x1, float x2, float x3) {
+                float w0, w1;
+                if constexpr (!WREG) {
+                    const float2 wv = *reinterpret_cast<const float2*>(s.w + ch * NC + 8 * i + 2 * t);
+                    w0 = wv.x;
+                    w1 = wv.y;
+                } else {
+                    w0 = wreg[WREG ? 2 * i : 0];
+                    w1 = wreg[WREG ? 2 * i + 1 : 0];
+                }
+                s0a = fmaf(w0, x0 + fabsf(x0), s0a);
+                s0b = fmaf(w1, x1 + fabsf(x1), s0b);
+                s1a = fmaf(w0, x2 + fabsf(x2), s1a);
+                s1b = fmaf(w1, x3 + fabsf(x3), s1b);
+                if ((done_mask >> i) & 1u) {
+                    float v0 = s0a + s0b, v1 = s1a + s1b;
+                    v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
+                    v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
+                    v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
+                    v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
+                    if (r < nrows && t < 2) {
+                        const int col = t0 + key0 + 8 * t;
+                        if (col < t_hi) {
+                            const float v = t ? v1 * sk1 : v0 * sk0;
+                            const bool in = col >= s.lo[r] && col < s.hi[r];
+                            out[(out_row0 + r) * ld + col] = in ? v : CPS_NEG_INF;
+                        }
+                    }
+                    ++r;
+                    s0a = s0b = s1a = s1b = 0.f;
+                }
+            };
+            if constexpr (WG) {
+                cps_wgmma_fence();
+#pragma unroll
+                for (int ks = 0; ks < 4; ++ks) {
+                    const u64 da = cps_wgmma_desc(a_addr + 32 * ks);
+                    const u64 db = cps_wgmma_desc(b_addr + 32 * ks);
+                    if constexpr (NC == 64) cps_wgmma_m64n64k32(acc, da, db, ks);
+                    else cps_wgmma_m64n128k32(acc, da, db, ks);
+                }
+                cps_wgmma_commit();
+                cps_wgmma_wait0();
+                cps_fence_regs<NC / 2>(acc);
+#pragma unroll
+                for (int i = 0; i < NC / 8; ++i)
+                    epi(i, acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+            } else {
+                const int m = lane >> 3;
+#pragma unroll
+                for (int i = 0; i < NC / 8; ++i) {
+                    const u32 brow = b_addr + (8 * i + (lane & 7)) * CPS_IDX_D;
+                    u32 b[8];
+                    cps_ldmatrix_x4(b, brow + ((m ^ (lane & 7)) << 4));
+                    cps_ldmatrix_x4(b + 4, brow + (((4 + m) ^ (lane & 7)) << 4));
+                    float d[4];
+#pragma unroll
+                    for (int ks = 0; ks < 4; ++ks)
+                        cps_mma_e4m3(d, &afr[WG ? 0 : 4 * ks], b[2 * ks], b[2 * ks + 1], ks == 0);
+                    epi(i, d[0], d[1], d[2], d[3]);
+                }
+            }
+        }
+    }
+    cps_cp_async_wait<0>();
+}
+
+// ---- prefill -------------------------------------------------------------------
+
+template <bool WG>
+__device__ __forceinline__ void cps_mqa_logits_body(
+        const u8* __restrict__ q, const u8* __restrict__ kc, const float* __restrict__ ksc,
+        const float* __restrict__ w, const int* __restrict__ ks, const int* __restrict__ ke,
+        float* __restrict__ out, int M, int N, int H, int hp, int nblocks) {
+    extern __shared__ u8 cps_idx_smem_raw[];
+    const int rpc = 128 / hp;
+    const CpsIdxSmem s = cps_idx_carve(cps_idx_smem_raw, 128, CPS_IDX_STAGES);
+    const int blk = nblocks - 1 - (int)blockIdx.x;      // longest causal windows first
+    const long long tok0 = (long long)blk * rpc;
+    const int nrows = (int)min((long long)rpc, (long long)M - tok0);
+    if (threadIdx.x < nrows) {
+        s.lo[threadIdx.x] = ks[tok0 + threadIdx.x];
+        s.hi[threadIdx.x] = ke[tok0 + threadIdx.x];
+    }
+    __syncthreads();
+    cps_idx_cta<128, WG, false, true, CPS_IDX_STAGES>(s, nrows, rpc, 1, H, hp, q, w, tok0, kc, ksc, 0, 0, 0,
+                                out, tok0, (long long)N, 0, N);
+}
+
+extern "C" __global__ void __launch_bounds__(CPS_IDX_THREADS, 3)
+cps_mqa_logits_wgmma(const u8* __restrict__ q, const u8* __restrict__ kc,
+                     const float* __restrict__ ksc, const float* __restrict__ w,
+                     const int* __restrict__ ks, const int* __restrict__ ke,
+                     float* __restrict__ out, int M, int N, int H, int hp, int nblocks) {
+    cps_mqa_logits_body<true>(q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks);
+}
+
+extern "C" __global__ void __launch_bounds__(CPS_IDX_THREADS, 3)
+cps_mqa_logits_mma(const u8* __restrict__ q, const u8* __restrict__ kc,
+                   const float* __restrict__ ksc, const float* __restrict__ w,
+                   const int* __restrict__ ks, const int* __restrict__ ke,
+                   float* __restrict__ out, int M, int N, int H, int hp, int nblocks) {
+    cps_mqa_logits_body<false>(q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks);
+}
+
+// ---- paged decode --------------------------------------------------------------
+
+// grid (pieces, B): CTA (p, b) writes columns [p * piece_tiles * 64, ...) of the next_n
+// rows of request b. Row (b, j) sees positions < L_b - next_n + j + 1 (1-D lens) or
+// < lens[b, j] (2-D lens). The page ids of the piece are read together with the lengths
+// (entries past the context are read but never used).
+template <int NC, bool WG, bool WREG, int STAGES>
+__device__ __forceinline__ void cps_paged_body(
+        const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w,
+        const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,
+        float* __restrict__ out, int width, int next_n, int H, int hp, int nch, int bs_shift,
+        int piece_tiles) {
+    extern __shared__ u8 cps_idx_smem_raw[];
+    const int rpc = NC / hp;
+    const CpsIdxSmem s = cps_idx_carve(cps_idx_smem_raw, nch * NC, STAGES);
+    const int b = blockIdx.y;
+    const int own_lo = (int)blockIdx.x * piece_tiles * CPS_IDX_TILE;
+    const int own_hi = min(own_lo + piece_tiles * CPS_IDX_TILE, width);
+    const int tid = threadIdx.x;
+    if (tid < next_n) {
+        const int end = lens_2d ? lens[b * next_n + tid] : max(lens[b] - next_n + tid + 1, 0);
+        s.lo[tid] = 0;
+        s.hi[tid] = min(end, width);
+    }
+    const int bt_first = own_lo >> bs_shift;
+    const int n_pages = ((own_hi - 1) >> bs_shift) - bt_first + 1;
+    const int* bt_row = bt + (long long)b * bt_cols;
+    for (int i = tid; i < n_pages; i += CPS_IDX_THREADS) {
+        const int p = bt_first + i;
+        s.bt[i] = p < bt_cols ? bt_row[p] : 0;
+    }
+    __syncthreads();
+    const long long row0 = (long long)b * next_n;
+    const long long page_bytes = (long long)(1 << bs_shift) * (CPS_IDX_D + 4);
+    cps_idx_cta<NC, WG, true, WREG, STAGES>(s, next_n, rpc, nch, H, hp, q, w, row0, cache, nullptr,
+                                      bt_first, page_bytes, bs_shift,
+                                      out, row0, (long long)width, own_lo, own_hi);
+}
+
+#define CPS_PAGED_KERNEL(NAME, NC, WG, WREG, STAGES, MINB)                                    \
+    extern "C" __global__ void __launch_bounds__(CPS_IDX_THREADS, MINB)                       \
+    NAME(const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w, \
+         const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,  \
+         float* __restrict__ out, int width, int next_n, int H, int hp, int nch, int bs_shift, \
+         int piece_tiles) {                                                                   \
+        cps_paged_body<NC, WG, WREG, STAGES>(q, cache, w, lens, lens_2d, bt, bt_cols, out, width,   \
+                                       next_n, H, hp, nch, bs_shift, piece_tiles);            \
+    }
+
+// _n64 / _n128: one chunk of 64 / 128 columns (weights in registers); _n128m: next_n rows
+// spread over several 128-column chunks (weights in smem); _sS: S key tiles in the ring.
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n64_s3, 64, true, true, 3, 6)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n64_s4, 64, true, true, 4, 5)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128_s3, 128, true, true, 3, 4)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128_s4, 128, true, true, 4, 4)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128m_s3, 128, true, false, 3, 4)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128m_s4, 128, true, false, 4, 4)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n64_s4, 64, false, true, 4, 3)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n128_s4, 128, false, true, 4, 3)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n128m_s4, 128, false, false, 4, 3)
