@@ -127,6 +127,11 @@ def sparse_mla_attention(q, kv_cache, indices, sm_scale, *, d_v=None):
                   shape_desc="[T, topk]")
     V.check_slots(xp, indices, rows.shape[0], name="indices")
     sm_scale = _check_scale(sm_scale)
+    if _backend.use_kernels(xp):
+        from cpsparse.kernels import attention as _katt
+        got = _katt.sparse_mla_attention(xp, q, rows, indices, sm_scale, d_v, decode is not None)
+        if got is not None:
+            return got
     return _ref.sparse_mla_attention(q, rows, indices, sm_scale, d_v, decode)
 
 
@@ -189,6 +194,11 @@ def dense_mla_attention(q, kv, sm_scale, *, cu_seqlens_q=None, cu_seqlens_k=None
             if cu[-1] != total:
                 raise ValueError(f"Invalid {name}: expected the last entry to be {total}, "
                                  f"got {int(cu[-1])}")
+    if _backend.use_kernels(xp):
+        from cpsparse.kernels import attention as _katt
+        got = _katt.dense_mla_attention(xp, q, kv, sm_scale, d_v, cu_q, cu_k)
+        if got is not None:
+            return got
     return _ref.dense_mla_attention(q, kv, sm_scale, d_v, cu_q, cu_k)
 
 
@@ -227,4 +237,7 @@ def local_to_global_slots(indices, req_ids, block_table, block_size=64):
                   shape_desc="[R, max_blocks]")
     V.check_slots(xp, indices, block_table.shape[1] * block_size, name="indices")
     V.check_slots(xp, req_ids, block_table.shape[0], name="req_ids", allow_negative_one=False)
+    if _backend.use_kernels(xp):
+        from cpsparse.kernels import attention as _katt
+        return _katt.local_to_global_slots(xp, indices, req_ids, block_table, block_size)
     return _ref.local_to_global_slots(indices, req_ids, block_table, block_size)

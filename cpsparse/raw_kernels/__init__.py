@@ -141,3 +141,4 @@ def precompile(modules=None):
 #   register_module("indexer", ["common.cuh", "indexer.cu"])
 register_module("quant", ["common.cuh", "quant.cu"])
 register_module("indexer", ["common.cuh", "indexer.cu"])
+register_module("attention", ["common.cuh", "attention.cu"])

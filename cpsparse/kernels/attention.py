@@ -1,0 +1,178 @@
+"""Sparse / dense MLA attention and slot mapping on CUDA (CuPy arrays).
+
+Launchers of ``raw_kernels/attention.cu``. The public ops in
+:mod:`cpsparse.attention` validate, then call these; a function here returns
+``None`` when the kernel does not cover the shape (the caller then runs the
+array-generic reference on the GPU instead).
+
+Covered: head dim 576 (= 512 latent + 64 RoPE), ``d_v`` even and <= 512, any
+number of heads (groups of 64 per CTA, the last one partial), any top-k.
+
+Precision: queries and keys enter the tensor cores as bf16 (round to nearest
+even), products accumulate in fp32, probabilities are rounded to bf16 for P V.
+CuPy has no bfloat16 dtype: q may be float16/float32 (float64 is cast to
+float32 first); a dense workspace (float16/float32/float64) is rounded to bf16
+once, in a pre-pass over the rows (``to_bf16``); the fp8_ds_mla cache is
+dequantized tile by tile inside the kernel (code * scale rounded to bf16, RoPE
+bf16 as stored).
+"""
+
+import math
+import os
+
+import numpy
+
+from cpsparse import raw_kernels
+from cpsparse.kernels import blocks_for, f32, i32, i64
+
+D_QK = 576
+D_V_MAX = 512
+RECORD_BYTES = 656              # fp8_ds_mla: 512 codes + 4 float32 scales + 64 bf16
+HEADS_PER_CTA = 64
+THREADS = 256
+SMEM_BYTES = 230912 + 1024      # ATT_SMEM_BYTES in attention.cu
+
+# "wg": wgmma for QK^T and PV (default); "wgqk": wgmma QK^T + mma.sync PV;
+# "mma": mma.sync for both. Same results up to fp32 summation order.
+VARIANTS = ("wg", "wgqk", "mma")
+_VARIANT = [os.environ.get("CPSPARSE_ATTN_VARIANT", "wg")]
+if _VARIANT[0] not in VARIANTS:
+    raise ValueError(f"Invalid CPSPARSE_ATTN_VARIANT: expected one of {VARIANTS}, "
+                     f"got {_VARIANT[0]!r}")
+
+_KERNELS = {}
+_NULL = numpy.uint64(0)
+
+
+def set_variant(name):
+    """Select the attention kernel variant (see ``VARIANTS``); returns the previous one."""
+    if name not in VARIANTS:
+        raise ValueError(f"Invalid variant: expected one of {VARIANTS}, got {name!r}")
+    previous = _VARIANT[0]
+    _VARIANT[0] = name
+    return previous
+
+
+def get_variant():
+    return _VARIANT[0]
+
+
+def _attention_kernel(cp, fp8):
+    name = f"cps_sparse_mla_{'fp8' if fp8 else 'bf16'}_{_VARIANT[0]}"
+    key = (cp.cuda.Device().id, name)
+    fn = _KERNELS.get(key)
+    if fn is None:
+        fn = raw_kernels.get_function("attention", name)
+        fn.max_dynamic_shared_size_bytes = SMEM_BYTES
+        _KERNELS[key] = fn
+    return fn
+
+
+def supports(q_shape, d_v):
+    """True when the kernels cover queries of ``q_shape`` [T, H, D] and this d_v."""
+    return (len(q_shape) == 3 and q_shape[2] == D_QK and 0 < d_v <= D_V_MAX
+            and d_v % 2 == 0)
+
+
+def _aligned(cp, a):
+    """``a`` itself when its data is 16-byte aligned, else an aligned copy."""
+    return a if a.data.ptr % 16 == 0 else cp.array(a, copy=True)
+
+
+def _q_operand(cp, q):
+    if q.dtype == cp.float64:
+        q = q.astype(cp.float32)
+    return _aligned(cp, q), int(q.dtype == cp.float16)
+
+
+def to_bf16(cp, x):
+    """bf16 bit patterns (uint16, same shape) of a float16/32/64 array."""
+    if x.dtype == cp.float64:
+        x = x.astype(cp.float32)
+    x = cp.ascontiguousarray(x)
+    y = cp.empty(x.shape, dtype=cp.uint16)
+    n = x.size
+    if n:
+        name = "cps_f16_to_bf16" if x.dtype == cp.float16 else "cps_f32_to_bf16"
+        fn = raw_kernels.get_function("attention", name)
+        fn((min(blocks_for(n, THREADS), 132 * 16),), (THREADS,), (x, y, i64(n)))
+    return y
+
+
+def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_scale, d_v):
+    tokens, heads, _ = q.shape
+    out = cp.empty((tokens, heads, d_v), dtype=cp.float32)
+    lse = cp.empty((tokens, heads), dtype=cp.float32)
+    if tokens == 0 or heads == 0:
+        return out, lse
+    if indices is not None and indices.shape[1] == 0:   # no key at all (and maybe no
+        out.fill(0)                                     # buffer behind indices)
+        lse.fill(-numpy.inf)
+        return out, lse
+    qq, q_half = _q_operand(cp, q)
+    if kv.shape[0] == 0:                      # every index is -1: never read, but keep
+        kv = cp.zeros((1,) + kv.shape[1:], dtype=kv.dtype)   # the pointer valid
+    kv = _aligned(cp, kv)
+    topk = 0 if indices is None else indices.shape[1]
+    scale_log2 = numpy.float32(sm_scale * math.log2(math.e))
+    groups = -(-heads // HEADS_PER_CTA)
+    fn = _attention_kernel(cp, fp8)
+    fn((tokens * groups,), (THREADS,),
+       (qq, i32(q_half), kv, _NULL if indices is None else indices, i32(topk),
+        _NULL if row_start is None else row_start, _NULL if row_len is None else row_len,
+        out, lse, i32(heads), i32(d_v), f32(scale_log2)),
+       shared_mem=SMEM_BYTES)
+    return out, lse
+
+
+def sparse_mla_attention(cp, q, rows, indices, sm_scale, d_v, fp8):
+    """out [T, H, d_v], lse [T, H] over ``rows[indices[t]]``, or None if not covered.
+
+    ``rows`` is the fp8_ds_mla record view uint8 [num_slots, 656] (``fp8``) or a
+    dense float workspace [S, 576].
+    """
+    if not supports(q.shape, d_v):
+        return None
+    if fp8:
+        if rows.ndim != 2 or rows.shape[1] != RECORD_BYTES:
+            return None
+        kv = rows
+    else:
+        kv = to_bf16(cp, rows)
+    return _launch(cp, q, kv, fp8, indices=indices, sm_scale=sm_scale, d_v=d_v)
+
+
+def causal_rows(cu_q, cu_k):
+    """Per query token: first key row and number of visible keys (host int64 cu)."""
+    lens_q = numpy.diff(cu_q)
+    req = numpy.repeat(numpy.arange(lens_q.size), lens_q)
+    i = numpy.arange(int(cu_q[-1])) - numpy.repeat(cu_q[:-1], lens_q)
+    k_len = numpy.diff(cu_k)[req]
+    visible = numpy.clip(k_len - lens_q[req] + i + 1, 0, k_len)
+    return cu_k[:-1][req].astype(numpy.int32), visible.astype(numpy.int32)
+
+
+def dense_mla_attention(cp, q, kv, sm_scale, d_v, cu_q, cu_k):
+    """Causal attention per request with the sparse kernel over key ranges.
+
+    Query i of a request sees keys ``[k0, k0 + k_len - q_len + i + 1)``: the
+    kernel walks that range directly (no index array), so the cost is the
+    causal FLOPs, not the full square. ``cu_q``/``cu_k`` are host int64.
+    """
+    if not supports(q.shape, d_v):
+        return None
+    start, visible = causal_rows(cu_q, cu_k)
+    return _launch(cp, q, to_bf16(cp, kv), False, row_start=cp.asarray(start),
+                   row_len=cp.asarray(visible), sm_scale=sm_scale, d_v=d_v)
+
+
+def local_to_global_slots(cp, indices, req_ids, block_table, block_size):
+    """``block_table[req, pos // B] * B + pos % B`` elementwise; -1 stays -1."""
+    out = cp.empty(indices.shape, dtype=cp.int32)
+    n = indices.size
+    if n:
+        fn = raw_kernels.get_function("attention", "cps_local_to_global_slots")
+        fn((min(blocks_for(n, THREADS), 132 * 16),), (THREADS,),
+           (indices, req_ids, block_table, i32(block_table.shape[1]), i32(indices.shape[1]),
+            i64(n), i32(block_size), out))
+    return out

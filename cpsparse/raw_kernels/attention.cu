@@ -1,0 +1,735 @@
+// Sparse MLA attention (DeepSeek-V3.2 DSA), FlashMLA-style, for CuPy inputs.
+//
+// One CTA of 256 threads (two warpgroups) per (query token, group of 64 heads).
+// The token's keys (top-k slots, or a causal range for the dense route) are
+// visited in tiles of 64:
+//   gather 64 key rows into shared memory as bf16 [64 x 576]
+//     - fp8_ds_mla cache: each 656-byte record is read into registers one tile
+//       ahead, dequantized (e4m3 code * fp32 group scale -> bf16; RoPE bf16 as is)
+//       and stored while the tensor cores run the previous QK^T;
+//     - dense bf16 rows: 16-byte cp.async, double buffered;
+//   S = Q K^T    (bf16 MMA, fp32 accumulate; warpgroup w owns keys 32w..32w+31)
+//   online softmax in base 2 (sm_scale * log2 e folded in), row max shared
+//   between the two warpgroups through shared memory;
+//   O += P V     (V = first 512 columns of the same rows; warpgroup w owns
+//                 output columns 256w..256w+255, all 64 heads)
+// Masked keys (-1 / past the row's length) are zero-filled and get p = 0; a
+// fully masked tile is skipped; a row with no valid key ends with out = 0 and
+// lse = -inf. lse is returned in natural log.
+//
+// Shared-memory tiles use the 128-byte swizzle of wgmma (K-major, 8-row x
+// 128-byte atoms, 16-byte chunk c of row r at chunk c ^ (r & 7)): a [64 x 576]
+// bf16 tile is 9 column blocks of [64 x 64] (8 KB each). The same layout feeds
+// ldmatrix without bank conflicts, so the three variants share it:
+//   _wg   : QK^T by wgmma m64n32k16 (A = Q, B = K, both K-major) and
+//           PV by wgmma m64n256k16 (A = P K-major, B = V MN-major, trans-b)
+//   _wgqk : wgmma for QK^T, mma.sync m16n8k16 for PV
+//   _mma  : mma.sync m16n8k16 for both (ldmatrix operands)
+// All three give the same fragment layout to the softmax and the epilogue:
+// warp wi (0..3) of warpgroup wg holds heads 16wi + g (+8), g = lane / 4.
+
+#define ATT_D 576
+#define ATT_DV 512
+#define ATT_ROW_BYTES 1152          // bf16 row of the dense workspace
+#define ATT_REC_BYTES 656           // fp8_ds_mla record
+#define ATT_THREADS 256
+#define ATT_BLK 8192                // one [64 x 64] bf16 block
+#define ATT_TILE (9 * ATT_BLK)      // [64 x 576] bf16
+#define ATT_OFF_Q 0
+#define ATT_OFF_K 73728             // two K tiles
+#define ATT_OFF_P 221184            // [64 x 64] bf16 probabilities
+#define ATT_OFF_MAX 229376          // float [2][64] partial row max
+#define ATT_OFF_L 229888            // float [2][64] partial row sum
+#define ATT_OFF_VALID 230400        // int [2][64] key validity of the two tiles
+#define ATT_SMEM_USED 230912
+#define ATT_SMEM_BYTES (ATT_SMEM_USED + 1024)   // + alignment slack (1024-byte atoms)
+#define ATT_NEG_INF (-__int_as_float(0x7f800000))
+#define ATT_LN2 0.693147180559945309f
+
+__device__ __forceinline__ u32 att_smem_u32(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void att_st_v4(u32 addr, uint4 v) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+__device__ __forceinline__ void att_st_b32(u32 addr, u32 v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void att_cp_async16(u32 dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;                  // 0: zero-fill, nothing read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ void att_cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Commits any uncommitted cp.async of this thread too (the RoPE copies).
+__device__ __forceinline__ void att_cp_async_wait_all() {
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// Generic-proxy shared-memory writes -> visible to wgmma (async proxy).
+__device__ __forceinline__ void att_fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void att_ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+__device__ __forceinline__ void att_ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+__device__ __forceinline__ void att_mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3,
+                                             u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float att_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Two floats -> packed bf16x2 (lo in the low half), round to nearest even.
+__device__ __forceinline__ u32 att_pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Packed f16x2 -> bf16x2 (through float, exact then rounded once).
+__device__ __forceinline__ u32 att_f16x2_to_bf16x2(u32 h) {
+    float lo, hi;
+    asm("{\n.reg .b16 l16, h16;\nmov.b32 {l16, h16}, %2;\n"
+        "cvt.f32.f16 %0, l16;\ncvt.f32.f16 %1, h16;\n}\n"
+        : "=f"(lo), "=f"(hi) : "r"(h));
+    return att_pack_bf16(lo, hi);
+}
+
+// Four e4m3 codes (byte 0 first) times scale -> two packed bf16x2.
+__device__ __forceinline__ void att_dequant4(u32 w, float scale, u32& out01, u32& out23) {
+    u32 h01, h23;
+    asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\n"
+        "cvt.rn.f16x2.e4m3x2 %0, a;\ncvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
+        : "=r"(h01), "=r"(h23) : "r"(w));
+    float f0, f1, f2, f3;
+    asm("{\n.reg .b16 l16, h16;\nmov.b32 {l16, h16}, %2;\n"
+        "cvt.f32.f16 %0, l16;\ncvt.f32.f16 %1, h16;\n}\n"
+        : "=f"(f0), "=f"(f1) : "r"(h01));
+    asm("{\n.reg .b16 l16, h16;\nmov.b32 {l16, h16}, %2;\n"
+        "cvt.f32.f16 %0, l16;\ncvt.f32.f16 %1, h16;\n}\n"
+        : "=f"(f2), "=f"(f3) : "r"(h23));
+    out01 = att_pack_bf16(f0 * scale, f1 * scale);
+    out23 = att_pack_bf16(f2 * scale, f3 * scale);
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle.
+//   K-major: rows of 128 bytes, 8-row atoms 1024 bytes apart (SBO); LBO unused.
+//   MN-major: LBO = bytes between 64-element blocks along MN, SBO = bytes
+//   between 8-row groups along K.
+__device__ __forceinline__ u64 att_desc(u32 addr, u32 lbo, u32 sbo) {
+    u64 d = (u64)((addr & 0x3FFFFu) >> 4);
+    d |= (u64)((lbo >> 4) & 0x3FFFu) << 16;
+    d |= (u64)((sbo >> 4) & 0x3FFFu) << 32;
+    d |= (u64)1 << 62;
+    return d;
+}
+
+__device__ __forceinline__ void att_wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void att_wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void att_wgmma_wait0() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void att_wgmma_m64n32_kk(float (&d)[16], u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+__device__ __forceinline__ void att_wgmma_m64n256_kmn(float (&d)[128], u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+template <int N>
+__device__ __forceinline__ void att_fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+
+
+__device__ __forceinline__ void att_st_f32(u32 addr, float v) {
+    asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ float att_ld_f32(u32 addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ void att_st_s32(u32 addr, int v) {
+    asm volatile("st.shared.s32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ int att_ld_s32(u32 addr) {
+    int v;
+    asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+
+// Slot of key j (< nk) of this CTA's token: the top-k entry, or a causal range.
+__device__ __forceinline__ int att_slot(const int* __restrict__ irow, int rbase, int nk, int j) {
+    if (j >= nk) return -1;
+    return irow != nullptr ? __ldg(irow + j) : rbase + j;
+}
+
+// Gather one tile of dense bf16 rows (16-byte cp.async, zero-fill when masked).
+// Thread (row = tid / 4, sub = tid % 4) copies chunks sub, sub + 4, ... of its row.
+__device__ __forceinline__ bool att_gather_rows(u32 sk, u32 valid,
+                                                const u8* __restrict__ kv,
+                                                const int* __restrict__ irow, int rbase,
+                                                int nk, int tile, int grow, int gsub) {
+    const int slot = att_slot(irow, rbase, nk, tile * 64 + grow);
+    const bool v = slot >= 0;
+    const u8* src = kv + (v ? (size_t)slot * ATT_ROW_BYTES : (size_t)0);
+    const u32 dst = sk + grow * 128;
+    const int sw = grow & 7;
+#pragma unroll
+    for (int j = 0; j < 18; ++j) {
+        const int cc = gsub + 4 * (j & 1);                 // chunk within the 64-dim block
+        att_cp_async16(dst + (j >> 1) * ATT_BLK + ((cc ^ sw) << 4),
+                       src + (size_t)(gsub + 4 * j) * 16, v);
+    }
+    att_st_s32(valid + 4 * grow, v);            // the row's 4 threads agree
+    return v;
+}
+
+// A quarter of one fp8_ds_mla record held in registers one tile ahead: thread
+// (row, sub) keeps the 16-byte code chunks sub + 4j and the 4 group scales; the
+// RoPE bytes go straight to shared memory by cp.async when the tile is stored.
+struct AttRaw {
+    uint4 codes[8];
+    uint4 scales;
+    int slot;           // -1 when masked
+};
+
+__device__ __forceinline__ void att_load_raw(AttRaw& r, const u8* __restrict__ kv,
+                                             const int* __restrict__ irow, int nk,
+                                             int tile, int grow, int gsub) {
+    // Branch-free (no divergent code between wgmma issue and wait): a masked row
+    // reads record 0 and is zeroed by selects.
+    const int j = tile * 64 + grow;
+    const int slot = __ldg(irow + min(j, nk - 1));
+    const bool v = j < nk && slot >= 0;
+    r.slot = v ? slot : -1;
+    const uint4* rec = reinterpret_cast<const uint4*>(kv + (v ? (size_t)slot * ATT_REC_BYTES
+                                                             : (size_t)0));
+    uint4 x[9];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = __ldg(rec + gsub + 4 * i);
+    x[8] = __ldg(rec + 32);
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+        x[i].x = v ? x[i].x : 0u;
+        x[i].y = v ? x[i].y : 0u;
+        x[i].z = v ? x[i].z : 0u;
+        x[i].w = v ? x[i].w : 0u;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r.codes[i] = x[i];
+    r.scales = x[8];
+}
+
+// Pull one record (656 bytes, up to 7 lines of 128) into L2 ahead of its load:
+// thread sub of the row touches bytes 128 sub and 512 + 128 sub (the last at 655).
+__device__ __forceinline__ void att_prefetch_record(const u8* __restrict__ kv, int slot,
+                                                    int gsub) {
+    const u8* rec = kv + (size_t)slot * ATT_REC_BYTES;
+    asm volatile("prefetch.global.L2 [%0];\n" :: "l"(rec + 128 * gsub));
+    asm volatile("prefetch.global.L2 [%0];\n" :: "l"(rec + min(512 + 128 * gsub, 655)));
+}
+
+// Registers -> bf16 tile: code chunk c = sub + 4j holds dims 16c..16c+15, i.e.
+// block j, chunks 2 sub and 2 sub + 1 of it; scale group j / 2. The RoPE part
+// (block 8, chunks sub and sub + 4) is copied by cp.async (zero-fill if masked);
+// the caller waits for it before the next barrier.
+__device__ __forceinline__ void att_store_raw(const AttRaw& r, const u8* __restrict__ kv,
+                                              u32 sk, u32 valid, int grow, int gsub) {
+    const u32 dst = sk + grow * 128;
+    const int sw = grow & 7;
+    const bool v = r.slot >= 0;
+    const u8* rope = kv + (v ? (size_t)r.slot * ATT_REC_BYTES + 528 : (size_t)0);
+    att_cp_async16(dst + 8 * ATT_BLK + ((gsub ^ sw) << 4), rope + 16 * gsub, v);
+    att_cp_async16(dst + 8 * ATT_BLK + (((gsub + 4) ^ sw) << 4), rope + 16 * (gsub + 4), v);
+    const float sc[4] = {__uint_as_float(r.scales.x), __uint_as_float(r.scales.y),
+                         __uint_as_float(r.scales.z), __uint_as_float(r.scales.w)};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float s = sc[j >> 1];
+        uint4 a, b;
+        att_dequant4(r.codes[j].x, s, a.x, a.y);
+        att_dequant4(r.codes[j].y, s, a.z, a.w);
+        att_dequant4(r.codes[j].z, s, b.x, b.y);
+        att_dequant4(r.codes[j].w, s, b.z, b.w);
+        att_st_v4(dst + j * ATT_BLK + (((2 * gsub) ^ sw) << 4), a);
+        att_st_v4(dst + j * ATT_BLK + (((2 * gsub + 1) ^ sw) << 4), b);
+    }
+    att_st_s32(valid + 4 * grow, v);            // the row's 4 threads agree
+}
+
+// S[16 heads x 32 keys] of this warp by mma.sync (same layout as wgmma m64n32).
+__device__ __forceinline__ void att_qk_mma(float (&s)[16], u32 sq, u32 sk, int wg, int wi,
+                                           int lane) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i] = 0.f;
+    const int a_row = wi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int a_sel = lane >> 4;
+    const int b_key = wg * 32 + (lane & 7) + ((lane >> 4) & 1) * 8;
+    const int b_sel = (lane >> 3) & 1;
+    const int sw = lane & 7;
+#pragma unroll 1
+    for (int ks = 0; ks < 36; ++ks) {
+        u32 a0, a1, a2, a3;
+        const int ca = ((2 * ks + a_sel) & 7) ^ sw;
+        att_ldsm_x4(sq + (ks >> 2) * ATT_BLK + a_row * 128 + (ca << 4), a0, a1, a2, a3);
+        const int cb = ((2 * ks + b_sel) & 7) ^ sw;
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            u32 b0, b1, b2, b3;
+            att_ldsm_x4(sk + (ks >> 2) * ATT_BLK + (b_key + 16 * p) * 128 + (cb << 4),
+                        b0, b1, b2, b3);
+            att_mma_bf16(s + 8 * p, a0, a1, a2, a3, b0, b1);
+            att_mma_bf16(s + 8 * p + 4, a0, a1, a2, a3, b2, b3);
+        }
+    }
+}
+
+// Issue S[64 heads x 32 keys of warpgroup wg] = Q K^T as 36 wgmma m64n32k16 (async).
+__device__ __forceinline__ void att_qk_wgmma(float (&s)[16], u32 sq, u32 sk, int wg) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i] = 0.f;
+    att_fence_regs(s);
+    att_wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 36; ++ks) {
+        const u32 off = (ks >> 2) * ATT_BLK + (ks & 3) * 32;
+        att_wgmma_m64n32_kk(s, att_desc(sq + off, 16, 1024),
+                            att_desc(sk + wg * 4096 + off, 16, 1024), 1);
+    }
+    att_wgmma_commit();
+}
+
+// O[16 heads x 256 columns] += P[16 x 64] V[64 x 256] by mma.sync.
+__device__ __forceinline__ void att_pv_mma(float (&o)[128], u32 sp, u32 sk, int wg, int wi,
+                                           int lane) {
+    const int a_row = wi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int a_sel = lane >> 4;
+    const int sw = lane & 7;
+    const int v_key = (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int v_sel = lane >> 4;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        u32 a0, a1, a2, a3;
+        att_ldsm_x4(sp + a_row * 128 + (((2 * ks + a_sel) ^ sw) << 4), a0, a1, a2, a3);
+        const u32 vrow = sk + (16 * ks + v_key) * 128;
+#pragma unroll
+        for (int q = 0; q < 16; ++q) {
+            // columns wg*256 + 16q + 8 v_sel: block 4wg + q/4, chunk 2(q%4) + v_sel
+            const int blk = 4 * wg + (q >> 2);
+            const int cc = ((2 * (q & 3) + v_sel) ^ sw);
+            u32 b0, b1, b2, b3;
+            att_ldsm_x4_t(vrow + blk * ATT_BLK + (cc << 4), b0, b1, b2, b3);
+            att_mma_bf16(o + 8 * q, a0, a1, a2, a3, b0, b1);
+            att_mma_bf16(o + 8 * q + 4, a0, a1, a2, a3, b2, b3);
+        }
+    }
+}
+
+template <int KV_FP8, int QK_WG, int PV_WG>
+__device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
+                                         const u8* __restrict__ kv,
+                                         const int* __restrict__ indices, int topk,
+                                         const int* __restrict__ row_start,
+                                         const int* __restrict__ row_len,
+                                         float* __restrict__ out, float* __restrict__ lse,
+                                         int H, int d_v, float scale_log2) {
+    extern __shared__ __align__(1024) u8 att_smem_raw[];
+    const u32 raw = att_smem_u32(att_smem_raw);
+    const u32 base = (raw + 1023u) & ~1023u;
+    const u32 sq = base + ATT_OFF_Q;
+    const u32 sp = base + ATT_OFF_P;
+    const u32 s_max = base + ATT_OFF_MAX;         // float [2][64]
+    const u32 s_l = base + ATT_OFF_MAX;           // float [2][64], after the loop
+    const u32 s_valid = base + ATT_OFF_VALID;     // int [2][64]
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wi = warp & 3;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int grow = tid >> 2, gsub = tid & 3;
+
+    const int groups = (H + 63) >> 6;
+    const int tok = blockIdx.x / groups;
+    const int h0 = (blockIdx.x - tok * groups) * 64;
+    const int nh = min(64, H - h0);
+
+    const int* irow = nullptr;
+    int rbase = 0, nk;
+    if (KV_FP8 || indices != nullptr) {          // the fp8 cache is always indexed
+        irow = indices + (size_t)tok * topk;
+        nk = topk;
+    } else {
+        rbase = row_start[tok];
+        nk = row_len[tok];
+    }
+    const int ntiles = (nk + 63) >> 6;
+
+    // ---- prologue: first key tile in flight, then Q -> bf16 shared --------------
+    // fp8 cache: records are read into registers (AttRaw) and dequantized into
+    // the other K buffer.
+    //   _wg   : stored while the tensor cores run QK^T, the next tile's records
+    //           loaded while they run PV (one tile ahead, never both live at once);
+    //   _wgqk : loaded at the top of the iteration, stored after QK^T;
+    //   _mma  : loaded and stored after PV (latency exposed; fallback variant).
+    constexpr int kFp8Mode = !KV_FP8 ? 0 : (PV_WG ? 1 : (QK_WG ? 2 : 3));
+    constexpr bool kEarly = kFp8Mode == 2;
+    AttRaw raw_next;
+    bool v_cur = false, v_next = false;
+    if (ntiles > 0) {
+        if (KV_FP8) {
+            att_load_raw(raw_next, kv, irow, nk, 0, grow, gsub);
+        } else {
+            v_next = att_gather_rows(base + ATT_OFF_K, s_valid, kv, irow, rbase, nk, 0,
+                                     grow, gsub);
+            att_cp_async_commit();
+        }
+    }
+#pragma unroll 3
+    for (int i = tid; i < 64 * 72; i += ATT_THREADS) {
+        const int r = i / 72, c = i - r * 72;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (r < nh) {
+            const size_t off = ((size_t)tok * H + h0 + r) * ATT_D + (size_t)c * 8;
+            if (q_half) {
+                const uint4 h = __ldg(reinterpret_cast<const uint4*>(
+                    reinterpret_cast<const u16*>(q) + off));
+                v = make_uint4(att_f16x2_to_bf16x2(h.x), att_f16x2_to_bf16x2(h.y),
+                               att_f16x2_to_bf16x2(h.z), att_f16x2_to_bf16x2(h.w));
+            } else {
+                const float4* p = reinterpret_cast<const float4*>(
+                    reinterpret_cast<const float*>(q) + off);
+                const float4 a = __ldg(p), b = __ldg(p + 1);
+                v = make_uint4(att_pack_bf16(a.x, a.y), att_pack_bf16(a.z, a.w),
+                               att_pack_bf16(b.x, b.y), att_pack_bf16(b.z, b.w));
+            }
+        }
+        att_st_v4(sq + (c >> 3) * ATT_BLK + r * 128 + (((c & 7) ^ (r & 7)) << 4), v);
+    }
+    if (KV_FP8 && ntiles > 0) {
+        att_store_raw(raw_next, kv, base + ATT_OFF_K, s_valid, grow, gsub);
+        v_cur = raw_next.slot >= 0;
+        if (kFp8Mode == 1) att_load_raw(raw_next, kv, irow, nk, 1, grow, gsub);
+    }
+
+    // ---- main loop over key tiles ------------------------------------------------
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float m0 = ATT_NEG_INF, m1 = ATT_NEG_INF, l0 = 0.f, l1 = 0.f;
+    const int r0 = wi * 16 + g, r1 = r0 + 8;
+
+    for (int it = 0; it < ntiles; ++it) {
+        const int buf = it & 1;
+        const u32 sk = base + ATT_OFF_K + buf * ATT_TILE;
+        const u32 sk_next = base + ATT_OFF_K + (buf ^ 1) * ATT_TILE;
+        int any;
+        int pf_slot = 0;
+        if (KV_FP8) {
+            att_cp_async_wait_all();              // RoPE part of this tile
+            att_fence_proxy_async();
+            any = __syncthreads_or(v_cur);
+            if (kFp8Mode == 1) pf_slot = max(__ldg(irow + min((it + 3) * 64 + grow, nk - 1)), 0);
+            if (kEarly && it + 1 < ntiles) att_load_raw(raw_next, kv, irow, nk, it + 1, grow, gsub);
+        } else {
+            att_cp_async_wait_all();
+            att_fence_proxy_async();
+            any = __syncthreads_or(v_next);
+            if (it + 1 < ntiles) {
+                v_next = att_gather_rows(sk_next, s_valid + (buf ^ 1) * 256, kv, irow, rbase,
+                                         nk, it + 1, grow, gsub);
+                att_cp_async_commit();
+            }
+        }
+
+        float s[16];
+        if (kFp8Mode == 1) {
+            // Straight-line code between wgmma issue and wait (no divergent path, so
+            // ptxas keeps the wgmmas asynchronous). Past the last tile the store and
+            // load are harmless: nobody reads that buffer, masked rows load nothing new.
+            if (any) {
+                att_qk_wgmma(s, sq, sk, wg);
+                att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
+                v_cur = raw_next.slot >= 0;
+                att_prefetch_record(kv, pf_slot, gsub);     // tile it + 3 -> L2
+                att_wgmma_wait0();
+                att_fence_regs(s);
+            } else {
+                att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
+                v_cur = raw_next.slot >= 0;
+                att_load_raw(raw_next, kv, irow, nk, it + 2, grow, gsub);
+                continue;
+            }
+        } else {
+            if (any) {
+                if (QK_WG) {
+                    att_qk_wgmma(s, sq, sk, wg);
+                    att_wgmma_wait0();
+                    att_fence_regs(s);
+                } else {
+                    att_qk_mma(s, sq, sk, wg, wi, lane);
+                }
+            }
+            if (kEarly && it + 1 < ntiles) {
+                att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
+                v_cur = raw_next.slot >= 0;
+            }
+            if (!any) {                           // every key of this tile is masked
+                if (kFp8Mode == 3 && it + 1 < ntiles) {
+                    att_load_raw(raw_next, kv, irow, nk, it + 1, grow, gsub);
+                    att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
+                    v_cur = raw_next.slot >= 0;
+                }
+                continue;
+            }
+        }
+
+        // ---- online softmax (base 2) --------------------------------------------
+        const u32 vld = s_valid + buf * 256;
+        float mx0 = ATT_NEG_INF, mx1 = ATT_NEG_INF;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int key = wg * 32 + 8 * j + 2 * t4;
+            const bool va = att_ld_s32(vld + 4 * key) != 0;
+            const bool vb = att_ld_s32(vld + 4 * key + 4) != 0;
+            s[4 * j + 0] = va ? s[4 * j + 0] * scale_log2 : ATT_NEG_INF;
+            s[4 * j + 1] = vb ? s[4 * j + 1] * scale_log2 : ATT_NEG_INF;
+            s[4 * j + 2] = va ? s[4 * j + 2] * scale_log2 : ATT_NEG_INF;
+            s[4 * j + 3] = vb ? s[4 * j + 3] * scale_log2 : ATT_NEG_INF;
+            mx0 = fmaxf(mx0, fmaxf(s[4 * j + 0], s[4 * j + 1]));
+            mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        if (t4 == 0) {
+            att_st_f32(s_max + 4 * (wg * 64 + r0), mx0);
+            att_st_f32(s_max + 4 * (wg * 64 + r1), mx1);
+        }
+        __syncthreads();
+        mx0 = fmaxf(mx0, att_ld_f32(s_max + 4 * ((wg ^ 1) * 64 + r0)));
+        mx1 = fmaxf(mx1, att_ld_f32(s_max + 4 * ((wg ^ 1) * 64 + r1)));
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float ms0 = mn0 == ATT_NEG_INF ? 0.f : mn0;
+        const float ms1 = mn1 == ATT_NEG_INF ? 0.f : mn1;
+        const float al0 = att_ex2(m0 - ms0), al1 = att_ex2(m1 - ms1);   // 0 when m was -inf
+        m0 = mn0;
+        m1 = mn1;
+        float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float p0 = att_ex2(s[4 * j + 0] - ms0), p1 = att_ex2(s[4 * j + 1] - ms0);
+            const float p2 = att_ex2(s[4 * j + 2] - ms1), p3 = att_ex2(s[4 * j + 3] - ms1);
+            ps0 += p0 + p1;
+            ps1 += p2 + p3;
+            const int cc = 4 * wg + j;
+            att_st_b32(sp + r0 * 128 + ((cc ^ g) << 4) + 4 * t4, att_pack_bf16(p0, p1));
+            att_st_b32(sp + r1 * 128 + ((cc ^ g) << 4) + 4 * t4, att_pack_bf16(p2, p3));
+        }
+        l0 = l0 * al0 + ps0;
+        l1 = l1 * al1 + ps1;
+        if (PV_WG) att_fence_proxy_async();
+        // _wg: the barrier also tells whether any row's running max moved (alpha != 1);
+        // if none did, the rescale of O is skipped (the mma.sync variants always
+        // rescale: fewer live registers).
+        int rescale = 1;
+        if (PV_WG) rescale = __syncthreads_or(al0 != 1.f || al1 != 1.f);
+        else __syncthreads();
+
+        // ---- O = alpha O + P V ----------------------------------------------------
+        if (rescale) {
+#pragma unroll
+            for (int n = 0; n < 32; ++n) {
+                o[4 * n + 0] *= al0;
+                o[4 * n + 1] *= al0;
+                o[4 * n + 2] *= al1;
+                o[4 * n + 3] *= al1;
+            }
+        }
+        if (PV_WG) {
+            att_fence_regs(o);
+            att_wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                att_wgmma_m64n256_kmn(o, att_desc(sp + ks * 32, 16, 1024),
+                                      att_desc(sk + wg * 4 * ATT_BLK + ks * 2048, ATT_BLK, 1024),
+                                      1);
+            }
+            att_wgmma_commit();
+            if (kFp8Mode == 1) att_load_raw(raw_next, kv, irow, nk, it + 2, grow, gsub);
+            att_wgmma_wait0();
+            att_fence_regs(o);
+        } else {
+            att_pv_mma(o, sp, sk, wg, wi, lane);
+        }
+        if (kFp8Mode == 3 && it + 1 < ntiles) {
+            att_load_raw(raw_next, kv, irow, nk, it + 1, grow, gsub);
+            att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
+            v_cur = raw_next.slot >= 0;
+        }
+    }
+
+    // ---- epilogue: normalise, write out [T, H, d_v] and lse [T, H] ---------------
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    if (t4 == 0) {
+        att_st_f32(s_l + 4 * (wg * 64 + r0), l0);
+        att_st_f32(s_l + 4 * (wg * 64 + r1), l1);
+    }
+    __syncthreads();
+    const float L0 = att_ld_f32(s_l + 4 * r0) + att_ld_f32(s_l + 4 * (64 + r0));
+    const float L1 = att_ld_f32(s_l + 4 * r1) + att_ld_f32(s_l + 4 * (64 + r1));
+    const float inv0 = L0 > 0.f ? 1.f / L0 : 0.f;
+    const float inv1 = L1 > 0.f ? 1.f / L1 : 0.f;
+    float* out0 = out + ((size_t)tok * H + h0 + r0) * d_v;
+    float* out1 = out + ((size_t)tok * H + h0 + r1) * d_v;
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+        const int c = wg * 256 + 8 * n + 2 * t4;
+        if (c < d_v) {
+            if (r0 < nh)
+                *reinterpret_cast<float2*>(out0 + c) = make_float2(o[4 * n] * inv0,
+                                                                   o[4 * n + 1] * inv0);
+            if (r1 < nh)
+                *reinterpret_cast<float2*>(out1 + c) = make_float2(o[4 * n + 2] * inv1,
+                                                                   o[4 * n + 3] * inv1);
+        }
+    }
+    if (wg == 0 && t4 == 0) {
+        float* lrow = lse + (size_t)tok * H + h0;
+        if (r0 < nh) lrow[r0] = L0 > 0.f ? m0 * ATT_LN2 + logf(L0) : ATT_NEG_INF;
+        if (r1 < nh) lrow[r1] = L1 > 0.f ? m1 * ATT_LN2 + logf(L1) : ATT_NEG_INF;
+    }
+}
+
+#define ATT_KERNEL(NAME, FP8, QKW, PVW)                                                     \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1)                            \
+    NAME(const void* __restrict__ q, int q_half, const u8* __restrict__ kv,                 \
+         const int* __restrict__ indices, int topk, const int* __restrict__ row_start,      \
+         const int* __restrict__ row_len, float* __restrict__ out,                          \
+         float* __restrict__ lse, int H, int d_v, float scale_log2) {                       \
+        att_body<FP8, QKW, PVW>(q, q_half, kv, indices, topk, row_start, row_len, out,      \
+                                lse, H, d_v, scale_log2);                                   \
+    }
+
+ATT_KERNEL(cps_sparse_mla_fp8_wg, 1, 1, 1)
+ATT_KERNEL(cps_sparse_mla_bf16_wg, 0, 1, 1)
+ATT_KERNEL(cps_sparse_mla_fp8_wgqk, 1, 1, 0)
+ATT_KERNEL(cps_sparse_mla_bf16_wgqk, 0, 1, 0)
+ATT_KERNEL(cps_sparse_mla_fp8_mma, 1, 0, 0)
+ATT_KERNEL(cps_sparse_mla_bf16_mma, 0, 0, 0)
+
+// Dense workspace -> bf16 bit patterns (round to nearest even).
+extern "C" __global__ void cps_f32_to_bf16(const float* __restrict__ x, u16* __restrict__ y,
+                                           long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        y[i] = (u16)(att_pack_bf16(x[i], 0.f) & 0xFFFFu);
+    }
+}
+
+extern "C" __global__ void cps_f16_to_bf16(const u16* __restrict__ x, u16* __restrict__ y,
+                                           long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        y[i] = (u16)(att_f16x2_to_bf16x2((u32)x[i]) & 0xFFFFu);
+    }
+}
+
+// Request-local top-k positions -> global cache slots; negative stays -1.
+extern "C" __global__ void cps_local_to_global_slots(const int* __restrict__ indices,
+                                                     const int* __restrict__ req_ids,
+                                                     const int* __restrict__ block_table,
+                                                     int max_blocks, int topk,
+                                                     long long n, int block_size,
+                                                     int* __restrict__ out) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int pos = indices[i];
+        int slot = -1;
+        if (pos >= 0) {
+            const int req = req_ids[i / topk];
+            const long long page = block_table[(long long)req * max_blocks + pos / block_size];
+            slot = (int)(page * block_size + pos % block_size);
+        }
+        out[i] = slot;
+    }
+}

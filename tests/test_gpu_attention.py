@@ -1,0 +1,236 @@
+"""GPU: sparse MLA attention (fp8_ds_mla cache and dense bf16 workspace), dense causal
+MLA and the slot mapping, against the float64 NumPy reference on host copies.
+
+Most inputs are drawn exactly representable in bf16 (q, dense rows, fp8 scales with
+a 4-bit mantissa so that code * scale is a bf16 value): the kernels' bf16 operands
+then carry no input rounding and the check measures the kernel's own arithmetic
+(fp32 accumulation, bf16 probabilities). ``test_sparse_fp8_arbitrary_inputs`` uses
+plain float32 data through ``MLAKVCache.insert`` on full rows. Every kernel variant
+(``cpsparse.kernels.attention.VARIANTS``) is checked on every case.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import cpsparse
+from cpsparse.attention import (dense_mla_attention, local_to_global_slots, softmax_scale,
+                                sparse_mla_attention)
+from cpsparse.reference import attention as ref_attention
+from cpsparse.reference import cache as cache_ref
+
+pytestmark = pytest.mark.gpu
+
+OUT_RTOL = 1e-2
+LSE_ATOL = 1e-3
+SCALE = softmax_scale(128, 64)
+BLOCK = 64
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def katt():
+    from cpsparse.kernels import attention
+    return attention
+
+
+def bf16_round(x):
+    """float32 values rounded to the nearest bf16 (ties to even), kept as float32."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    return u.view(np.float32)
+
+
+def bf16_normal(rng, shape, std=1.0, dtype=np.float32):
+    x = bf16_round(rng.standard_normal(shape).astype(np.float32) * std)
+    x[np.abs(x) < 1e-3] = 0.0              # stay exact in float16 too
+    return x.astype(dtype)
+
+
+def exact_fp8_records(rng, n):
+    """fp8_ds_mla records whose dequantized values are exact bf16 numbers."""
+    codes = rng.integers(0, 256, (n, 512), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0                      # no NaN codes
+    mant = rng.integers(0, 8, (n, 4))
+    expo = rng.integers(-10, -6, (n, 4))
+    scales = np.ldexp(1.0 + mant / 8.0, expo).astype(np.float32)
+    rope = bf16_normal(rng, (n, 64)).view(np.uint32) >> 16
+    return np.concatenate([codes, scales.view(np.uint8).reshape(n, 16),
+                           rope.astype(np.uint16).view(np.uint8).reshape(n, 128)], axis=1)
+
+
+def ragged_indices(rng, tokens, topk, num_slots):
+    """Rows: full with repeats, ragged prefix, scattered -1, empty, one valid entry."""
+    idx = rng.integers(0, num_slots, (tokens, topk)).astype(np.int32)
+    for t in range(tokens):
+        kind = t % 5
+        if kind == 0:
+            idx[t, 10:40] = idx[t, 3]                      # a slot listed 31 times
+        elif kind == 1:
+            idx[t, rng.integers(1, topk):] = -1
+        elif kind == 2:
+            idx[t, rng.random(topk) < 0.4] = -1
+        elif kind == 3:
+            idx[t] = -1                                    # no valid key at all
+        else:
+            keep = rng.integers(0, topk)
+            idx[t, :] = -1
+            idx[t, keep] = rng.integers(0, num_slots)
+    return idx
+
+
+def poison_pool(cp, nbytes=256 << 20):
+    """Fill the memory pool with NaN so an unwritten output element shows up."""
+    x = cp.full(nbytes // 4, np.nan, dtype=cp.float32)
+    del x
+
+
+def compare(got, exp, rtol=OUT_RTOL, atol=LSE_ATOL):
+    """Error message, or None when (out, lse) match the reference."""
+    out, lse = (a.get() for a in got)
+    e_out, e_lse = exp
+    if out.shape != e_out.shape or lse.shape != e_lse.shape:
+        return f"shapes {out.shape}, {lse.shape} vs {e_out.shape}, {e_lse.shape}"
+    if not np.isfinite(out).all():
+        return f"{int((~np.isfinite(out)).sum())} non-finite outputs"
+    err = np.linalg.norm(out - e_out) / max(np.linalg.norm(e_out), 1e-30)
+    if err > rtol:
+        return f"out relative error {err:.3g} > {rtol}"
+    fin = np.isfinite(e_lse)
+    if not np.array_equal(np.isfinite(lse), fin) or np.isnan(lse).any():
+        return "lse finiteness differs from the reference (or NaN)"
+    if not (lse[~fin] == -np.inf).all():
+        return "empty rows must have lse = -inf"
+    if not (out[~fin] == 0).all():
+        return "empty rows must have out = 0"
+    if fin.any():
+        lerr = float(np.abs(lse[fin] - e_lse[fin]).max())
+        if lerr > atol:
+            return f"lse max abs error {lerr:.3g} > {atol}"
+    return None
+
+
+def _variants(katt):
+    """Every variant, or those named in CPSPARSE_ATTN_TEST_VARIANTS (comma list)."""
+    names = os.environ.get("CPSPARSE_ATTN_TEST_VARIANTS")
+    return [v for v in names.split(",") if v] if names else list(katt.VARIANTS)
+
+
+def check_all_variants(cp, katt, run, exp, **tol):
+    failures = {}
+    previous = katt.get_variant()
+    try:
+        for variant in _variants(katt):
+            katt.set_variant(variant)
+            poison_pool(cp)
+            msg = compare(run(), exp, **tol)
+            if msg:
+                failures[variant] = msg
+    finally:
+        katt.set_variant(previous)
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("heads,topk,tokens", [(16, 512, 5), (64, 2048, 5), (128, 2048, 5),
+                                               (128, 512, 6), (96, 512, 5)])
+def test_sparse_fp8_cache(cp, katt, heads, topk, tokens):
+    rng = np.random.default_rng(heads * 7 + topk + tokens)
+    num_blocks = 70
+    records = exact_fp8_records(rng, num_blocks * BLOCK)
+    host = cpsparse.MLAKVCache.wrap(records.reshape(num_blocks, BLOCK, -1))
+    dev = cpsparse.MLAKVCache.wrap(cp.asarray(host.data))
+    q = bf16_normal(rng, (tokens, heads, 576))
+    idx = ragged_indices(rng, tokens, topk, host.num_slots)
+    exp = sparse_mla_attention(q, host, idx, SCALE)
+    q_d, idx_d = cp.asarray(q), cp.asarray(idx)
+    check_all_variants(cp, katt, lambda: sparse_mla_attention(q_d, dev, idx_d, SCALE), exp)
+
+
+def test_sparse_fp8_arbitrary_inputs(cp, katt):
+    """float32 q and latents through the cache's own quantizer; full rows of 2048 keys.
+
+    Against the float64 reference on the bf16-rounded operands (what the tensor
+    cores see: q, and code * scale rounded to bf16) the usual tolerances hold. Against
+    the reference on the raw inputs, lse carries the bf16 rounding of both operands
+    (about 2.5e-3 at most here, measured on the host with this data), so 5e-3.
+    """
+    rng = np.random.default_rng(11)
+    num_blocks, tokens, heads = 80, 4, 128
+    host = cpsparse.MLAKVCache(num_blocks, BLOCK)
+    n = host.num_slots
+    host.insert(rng.standard_normal((n, 512)).astype(np.float32),
+                rng.standard_normal((n, 64)).astype(np.float32),
+                np.arange(n, dtype=np.int32))
+    dev = cpsparse.MLAKVCache.wrap(cp.asarray(host.data))
+    q = rng.standard_normal((tokens, heads, 576)).astype(np.float32)
+    idx = rng.integers(0, n, (tokens, 2048)).astype(np.int32)
+    exp_raw = sparse_mla_attention(q, host, idx, SCALE)
+    rows = cache_ref.mla_decode(host.records(), 512, 64).astype(np.float32)
+    exp_bf16 = sparse_mla_attention(bf16_round(q), bf16_round(rows), idx, SCALE)
+    q_d, idx_d = cp.asarray(q), cp.asarray(idx)
+
+    def run():
+        return sparse_mla_attention(q_d, dev, idx_d, SCALE)
+
+    check_all_variants(cp, katt, run, exp_bf16)
+    check_all_variants(cp, katt, run, exp_raw, atol=5e-3)
+
+
+@pytest.mark.parametrize("heads,topk,dtype", [(16, 512, np.float16), (64, 2048, np.float32),
+                                              (128, 2048, np.float16), (128, 512, np.float32),
+                                              (40, 512, np.float16)])
+def test_sparse_dense_workspace(cp, katt, heads, topk, dtype):
+    rng = np.random.default_rng(heads + topk)
+    tokens, rows = 5, 3000
+    kv = bf16_normal(rng, (rows, 576), dtype=dtype)
+    q = bf16_normal(rng, (tokens, heads, 576), dtype=dtype)
+    idx = ragged_indices(rng, tokens, topk, rows)
+    exp = sparse_mla_attention(q, kv, idx, SCALE)
+    q_d, kv_d, idx_d = cp.asarray(q), cp.asarray(kv), cp.asarray(idx)
+    check_all_variants(cp, katt, lambda: sparse_mla_attention(q_d, kv_d, idx_d, SCALE), exp)
+
+
+def test_sparse_d_v_and_empty_topk(cp, katt):
+    rng = np.random.default_rng(5)
+    kv = bf16_normal(rng, (300, 576))
+    q = bf16_normal(rng, (3, 16, 576))
+    idx = ragged_indices(rng, 3, 100, 300)             # topk not a multiple of 64
+    exp = sparse_mla_attention(q, kv, idx, 0.05, d_v=256)
+    q_d, kv_d, idx_d = cp.asarray(q), cp.asarray(kv), cp.asarray(idx)
+    check_all_variants(cp, katt,
+                       lambda: sparse_mla_attention(q_d, kv_d, idx_d, 0.05, d_v=256), exp)
+    out, lse = sparse_mla_attention(q_d, kv_d, cp.zeros((3, 0), cp.int32), 0.05)
+    assert (out.get() == 0).all() and (lse.get() == -np.inf).all()
+
+
+def test_dense_causal(cp, katt):
+    rng = np.random.default_rng(3)
+    q_lens, k_lens = [3, 70, 1, 5, 130], [3, 200, 150, 3, 130]   # request 3: q_len > k_len
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
+    heads = 64
+    q = bf16_normal(rng, (cu_q[-1], heads, 576))
+    kv = bf16_normal(rng, (cu_k[-1], 576), dtype=np.float16)
+    exp = dense_mla_attention(q, kv, SCALE, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    args = (cp.asarray(q), cp.asarray(kv))
+    cu = dict(cu_seqlens_q=cp.asarray(cu_q), cu_seqlens_k=cp.asarray(cu_k))
+    check_all_variants(cp, katt, lambda: dense_mla_attention(*args, SCALE, **cu), exp)
+
+
+def test_local_to_global_slots(cp):
+    rng = np.random.default_rng(9)
+    reqs, max_blocks, tokens, topk = 4, 9, 37, 300
+    table = rng.permutation(reqs * max_blocks).reshape(reqs, max_blocks).astype(np.int32)
+    idx = rng.integers(0, max_blocks * BLOCK, (tokens, topk)).astype(np.int32)
+    idx[rng.random(idx.shape) < 0.2] = -1
+    req = rng.integers(0, reqs, tokens).astype(np.int32)
+    exp = ref_attention.local_to_global_slots(idx, req, table, BLOCK)
+    got = local_to_global_slots(cp.asarray(idx), cp.asarray(req), cp.asarray(table), BLOCK)
+    assert got.dtype == cp.int32
+    assert np.array_equal(got.get(), exp)
