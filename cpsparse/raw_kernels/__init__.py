@@ -141,4 +141,5 @@ def precompile(modules=None):
 #   register_module("indexer", ["common.cuh", "indexer.cu"])
 register_module("quant", ["common.cuh", "quant.cu"])
 register_module("indexer", ["common.cuh", "indexer.cu"])
+register_module("topk", ["common.cuh", "topk.cu"], options=("-default-device",))
 register_module("attention", ["common.cuh", "attention.cu"])

@@ -1,0 +1,97 @@
+"""Per-row top-k of float32 logits (radix select, ``raw_kernels/topk.cu``).
+
+One launch per call, on CuPy's current stream, no host synchronisation (so a
+call can be captured in a CUDA graph): short rows (``len <= k``) are written
+``0..len-1, -1, ...`` without reading logits; longer rows get exactly k
+positions of their k largest values, in no particular order.
+
+Work split: one CTA a row when there are enough rows to fill the GPU (or rows
+are short: then 256-thread CTAs, four an SM); otherwise a thread-block cluster
+of C CTAs (2, 4 or 8) splits each row and merges through distributed shared
+memory. The choice depends only on the shapes (rows, width) and the device's
+SM count, never on values. ``benchmarks/bench_topk.py`` times every variant.
+"""
+
+import numpy
+
+from cpsparse import raw_kernels
+from cpsparse.kernels import i32, i64
+
+# Compiled configurations (topk.cu's TK_KERNEL lines): name -> (CTAs a row, threads).
+VARIANTS = {"c1": (1, 512), "c1_t256": (1, 256), "c2": (2, 512), "c4": (4, 512),
+            "c8": (8, 512)}
+DEFAULT_VARIANT = {1: "c1", 2: "c2", 4: "c4", 8: "c8"}
+CLUSTERS = tuple(sorted(DEFAULT_VARIANT))
+SHORT_WIDTH = 16384        # rows no wider than this never split
+MIN_SLICE = 4096           # a CTA's share of a row is at least this many values
+
+MODE_ROWS, MODE_DECODE, MODE_DECODE_2D = 0, 1, 2
+
+_SMS = {}
+
+
+def _sm_count(cp):
+    dev = cp.cuda.Device()
+    n = _SMS.get(dev.id)
+    if n is None:
+        n = _SMS[dev.id] = int(dev.attributes["MultiProcessorCount"])
+    return n
+
+
+def choose_cluster(rows, width, sms):
+    """CTAs per row: 1 unless few rows would leave SMs idle and rows are long."""
+    c = 1
+    if width <= SHORT_WIDTH:
+        return c
+    # Double while the doubled grid still fits one wave (64 rows -> pairs: measured
+    # faster than 4-CTA clusters, whose merge costs more than the extra SMs give).
+    while c < CLUSTERS[-1] and rows * 2 * c <= sms and width // (2 * c) >= MIN_SLICE:
+        c *= 2
+    return c
+
+
+def _launch(cp, logits, row_starts, row_ends, context_lens, next_n, mode, k, out, cluster,
+            variant=None):
+    rows, width = logits.shape
+    if rows == 0 or k == 0:
+        return out
+    if width > numpy.iinfo(numpy.int32).max or k > numpy.iinfo(numpy.int32).max:
+        raise ValueError(f"Invalid shape of logits: rows and k must stay below 2**31, got "
+                         f"width={width}, k={k}")
+    if variant is None:
+        if cluster is None:
+            cluster = choose_cluster(rows, width, _sm_count(cp))
+        if cluster not in DEFAULT_VARIANT:
+            raise ValueError(f"Invalid cluster: expected one of {CLUSTERS}, got {cluster}")
+        variant = DEFAULT_VARIANT[cluster]
+        if cluster == 1 and width <= SHORT_WIDTH:
+            variant = "c1_t256"          # short rows: more, smaller CTAs an SM
+    cluster, threads = VARIANTS[variant]
+    fn = raw_kernels.get_function("topk", f"cps_topk_{variant}")
+    fn((rows * cluster,), (threads,),
+       (logits, i64(width), row_starts, row_ends, context_lens, i32(next_n), i32(mode),
+        i32(k), out))
+    return out
+
+
+def topk_per_row(cp, logits, row_starts, row_ends, k, out, *, cluster=None, variant=None):
+    """Top-k positions of each window ``[row_starts, row_ends)`` into ``out`` [M, k].
+
+    Inputs are validated by :func:`cpsparse.indexer.topk_per_row`. ``cluster``
+    forces the CTAs per row and ``variant`` a compiled configuration (tests and
+    benchmarks); None picks by shape.
+    """
+    if out is None:
+        out = cp.empty((logits.shape[0], k), dtype=cp.int32)
+    return _launch(cp, logits, row_starts, row_ends, row_starts, 1, MODE_ROWS, k, out, cluster,
+                   variant)
+
+
+def topk_per_row_decode(cp, logits, context_lens, next_n, k, out, *, cluster=None,
+                        variant=None):
+    """Decode rows: start 0, end from ``context_lens`` [B] or [B, next_n] (in the kernel)."""
+    if out is None:
+        out = cp.empty((logits.shape[0], k), dtype=cp.int32)
+    mode = MODE_DECODE_2D if context_lens.ndim == 2 else MODE_DECODE
+    return _launch(cp, logits, context_lens, context_lens, context_lens, next_n, mode, k, out,
+                   cluster, variant)

@@ -1,0 +1,327 @@
+"""GPU: per-row top-k kernels against the reference's order (DESIGN.md sections 6, 11).
+
+Set test on every long row: the k chosen positions are distinct and in the
+window, and they hold the k largest order keys (all keys above the k-th
+largest, the rest equal to it: min over selected >= max over unselected,
+exactly, on the reference's ``order_keys``: NaN lowest, -0 == +0). Short rows
+(len <= k) must be exactly ``0..len-1`` then -1. Outputs are poisoned first.
+"""
+
+import zlib
+
+import numpy as np
+import pytest
+
+import cpsparse
+from cpsparse.indexer import decode_row_ends, topk_per_row, topk_per_row_decode
+from cpsparse.reference.indexer import order_keys
+
+pytestmark = pytest.mark.gpu
+
+POISON = 0x5EADBEEF
+LENGTH_CLASSES = lambda k: [0, 1, k - 1, k, k + 1, 4096, 8192, 65536, 131072]  # noqa: E731
+
+
+@pytest.fixture
+def cp():
+    import cupy
+    return cupy
+
+
+@pytest.fixture
+def ktopk():
+    from cpsparse.kernels import topk
+    return topk
+
+
+def check_rows(logits, starts, ends, k, got):
+    """Set test of DESIGN section 11 on host arrays (exact on order keys)."""
+    got = np.asarray(got)
+    assert got.shape == (logits.shape[0], k) and got.dtype == np.int32
+    for r in range(logits.shape[0]):
+        s, e = int(starts[r]), int(ends[r])
+        n, g = e - s, got[r].astype(np.int64)
+        if n <= k:
+            want = np.where(np.arange(k) < n, np.arange(k), -1)
+            assert np.array_equal(g, want), f"row {r} (len {n}): {g[:8]} ... vs {want[:8]}"
+            continue
+        assert g.min() >= 0 and g.max() < n, f"row {r}: position outside [0, {n})"
+        assert np.unique(g).size == k, f"row {r}: repeated positions"
+        keys = order_keys(logits[r, s:e]).astype(np.int64)
+        sel = keys[g]
+        kth = np.partition(keys, n - k)[n - k]
+        assert sel.min() == kth, f"row {r} (len {n}): min selected {sel.min()} != k-th {kth}"
+        assert (sel > kth).sum() == (keys > kth).sum(), f"row {r}: an element above the k-th missed"
+
+
+def _poisoned(cp, rows, k):
+    return cp.full((rows, k), POISON, dtype=cp.int32)
+
+
+def adversarial(rng, kind, n, k):
+    """float32 [n] of one adversarial kind."""
+    if kind == "normal":
+        return rng.standard_normal(n).astype(np.float32)
+    if kind == "equal":
+        return np.full(n, 0.75, np.float32)
+    if kind == "ties":                       # many ties at the threshold
+        return rng.integers(0, 7, n).astype(np.float32)
+    if kind == "duplicates":
+        return rng.choice(rng.standard_normal(40).astype(np.float32), n)
+    if kind == "neginf_tail":                # fewer finite values than k, -inf after
+        x = np.full(n, -np.inf, np.float32)
+        m = min(n, k // 3)
+        x[rng.choice(n, m, replace=False)] = rng.standard_normal(m)
+        return x
+    if kind == "nan":
+        x = rng.standard_normal(n).astype(np.float32)
+        x[rng.random(n) < 0.4] = np.nan
+        x[rng.random(n) < 0.01] = -np.nan
+        return x
+    if kind == "mostly_nan":                 # NaN only chosen when nothing else is left
+        x = np.full(n, np.nan, np.float32)
+        x[rng.choice(n, min(n, 7), replace=False)] = -np.inf
+        x[rng.choice(n, min(n, 5), replace=False)] = 2.0
+        return x
+    if kind == "huge":
+        x = rng.standard_normal(n).astype(np.float32)
+        x[rng.integers(n)] = np.float32(3e38)
+        x[rng.integers(n)] = np.inf
+        return x
+    if kind == "ascending":
+        return np.sort(rng.standard_normal(n).astype(np.float32))
+    if kind == "descending":
+        return np.sort(rng.standard_normal(n).astype(np.float32))[::-1].copy()
+    if kind == "low_mantissa":               # values differ only in the last bits
+        bits = np.uint32(0x3F800000) + rng.integers(0, 3 * k, n).astype(np.uint32)
+        return bits.view(np.float32)
+    if kind == "signed_zeros":
+        vals = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-40, -3e-39, -1.0], np.float32)
+        return rng.choice(vals, n)
+    if kind == "narrow":                     # everything in one fp16 bin
+        return (np.float32(1.0) + rng.random(n).astype(np.float32) * np.float32(1e-3))
+    raise ValueError(kind)
+
+
+KINDS = ["normal", "equal", "ties", "duplicates", "neginf_tail", "nan", "mostly_nan", "huge",
+         "ascending", "descending", "low_mantissa", "signed_zeros", "narrow"]
+
+
+def _ragged(rng, lens, extra=5):
+    """Logits [M, max(len) + extra] with each row's window at a random offset."""
+    width = max(lens) + extra
+    starts = np.array([rng.integers(0, width - n + 1) for n in lens], np.int32)
+    ends = (starts + np.asarray(lens)).astype(np.int32)
+    return width, starts, ends
+
+
+@pytest.mark.parametrize("cluster", [None, 1, 2, 8])
+@pytest.mark.parametrize("k", [512, 2048])
+def test_length_classes(cp, ktopk, k, cluster):
+    rng = np.random.default_rng(k + (cluster or 0))
+    lens = LENGTH_CLASSES(k) + [k + 3, 3 * k + 1]
+    width, starts, ends = _ragged(rng, lens)
+    logits = (rng.standard_normal((len(lens), width)) * 4).astype(np.float32)
+    out = _poisoned(cp, len(lens), k)
+    if cluster is None:
+        res = topk_per_row(cp.asarray(logits), cp.asarray(starts), cp.asarray(ends), k, out=out)
+    else:
+        res = ktopk.topk_per_row(cp, cp.asarray(logits), cp.asarray(starts), cp.asarray(ends),
+                                 k, out, cluster=cluster)
+    assert res is out
+    check_rows(logits, starts, ends, k, out.get())
+
+
+VARIANTS = ["c1", "c1_t256", "c2", "c4", "c8"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", [3000, 8195, 65536])
+@pytest.mark.parametrize("kind", KINDS)
+def test_adversarial(cp, ktopk, kind, n, variant):
+    k = 1024 if n == 3000 else 2048
+    rng = np.random.default_rng(zlib.crc32(f"{kind}/{n}/{variant}".encode()))
+    rows = 3
+    width = n + 3
+    logits = np.stack([adversarial(rng, kind, width, k) for _ in range(rows)])
+    starts = np.array([0, 1, 3], np.int32)
+    ends = (starts + np.array([n, n - 1, n])).astype(np.int32)
+    out = _poisoned(cp, rows, k)
+    ktopk.topk_per_row(cp, cp.asarray(logits), cp.asarray(starts), cp.asarray(ends), k, out,
+                       variant=variant)
+    check_rows(logits, starts, ends, k, out.get())
+
+
+def _sample_positions(n, head, ctas, threads):
+    """Positions the kernel samples for its cut (the first value of each thread, tile 0)."""
+    nv = (head + n + 3) >> 2
+    per = -(-nv // ctas)
+    pos = []
+    for r in range(ctas):
+        lo = min(nv, r * per)
+        hi = min(nv, lo + per)
+        v = lo + np.arange(threads)
+        i = 4 * v - head
+        pos.append(i[(v < hi) & (i >= 0) & (i < n)])
+    return np.concatenate(pos)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sample_cut_retry(cp, ktopk, variant):
+    """Large values exactly at the sampled positions: the cut counts fewer than k,
+    the kernel must recount without it and still be exact."""
+    rng = np.random.default_rng(9)
+    k, n, start = 2048, 65536, 1
+    ctas, threads = ktopk.VARIANTS[variant]
+    width = n + 6
+    row = rng.standard_normal(width).astype(np.float32)
+    logits = cp.asarray(np.stack([row, row]))
+    head = (logits.data.ptr // 4 + start) % 4                      # row 0
+    pos = _sample_positions(n, head, ctas, threads)
+    host = logits.get()
+    host[0, start + pos] = (100 + 0.25 * np.arange(pos.size)).astype(np.float32)
+    logits.set(host)
+    starts = np.array([start, 0], np.int32)
+    ends = (starts + n).astype(np.int32)
+    out = _poisoned(cp, 2, k)
+    ktopk.topk_per_row(cp, logits, cp.asarray(starts), cp.asarray(ends), k, out,
+                       variant=variant)
+    check_rows(host, starts, ends, k, out.get())
+
+
+def test_variants_listed(ktopk):
+    assert sorted(VARIANTS) == sorted(ktopk.VARIANTS)
+
+
+@pytest.mark.parametrize("k", [512, 1024, 2048])
+def test_prefill_ragged_random(cp, k):
+    """Many rows, causal windows of several requests, fresh random data."""
+    rng = np.random.default_rng(k)
+    ctx, q = [3000, 0, 5000], [300, 200, 150]
+    starts, ends, width = [], [], sum(c + t for c, t in zip(ctx, q))
+    off = 0
+    for c, t in zip(ctx, q):
+        for i in range(t):
+            starts.append(off)
+            ends.append(off + c + i + 1)
+        off += c + t
+    starts, ends = np.array(starts, np.int32), np.array(ends, np.int32)
+    logits = rng.standard_normal((starts.size, width)).astype(np.float32)
+    logits[:, ::7] *= 100
+    out = _poisoned(cp, starts.size, k)
+    topk_per_row(cp.asarray(logits), cp.asarray(starts), cp.asarray(ends), k, out=out)
+    check_rows(logits, starts, ends, k, out.get())
+
+
+def test_out_row_slice_of_bigger_buffer(cp):
+    """out= a row slice of the shared buffer: written in place, other rows untouched."""
+    rng = np.random.default_rng(5)
+    k, rows = 2048, 6
+    lens = [10, 2048, 2049, 5000, 70000, 0]
+    width, starts, ends = _ragged(rng, lens)
+    logits = rng.standard_normal((rows, width)).astype(np.float32)
+    buf = _poisoned(cp, rows + 7, k)
+    view = buf[3:3 + rows]
+    res = topk_per_row(cp.asarray(logits), cp.asarray(starts), cp.asarray(ends), k, out=view)
+    assert res.data.ptr == view.data.ptr
+    host = buf.get()
+    assert (host[:3] == POISON).all() and (host[3 + rows:] == POISON).all()
+    check_rows(logits, starts, ends, k, host[3:3 + rows])
+    # out=None allocates
+    fresh = topk_per_row(cp.asarray(logits), cp.asarray(starts), cp.asarray(ends), k)
+    check_rows(logits, starts, ends, k, fresh.get())
+
+
+@pytest.mark.parametrize("next_n", [1, 2, 4])
+@pytest.mark.parametrize("two_d", [False, True])
+@pytest.mark.parametrize("width", [4000, 131072])
+def test_decode(cp, next_n, two_d, width):
+    rng = np.random.default_rng(next_n * 10 + two_d + width)
+    k = 2048
+    batch = 5
+    lens = np.array([width, 1, 2049 + next_n, rng.integers(k, width + 1), 0], np.int32)
+    if two_d:
+        ctx = np.minimum(lens[:, None] + np.arange(next_n)[None, :] - 1, width)
+        ctx = np.maximum(ctx, 0).astype(np.int32)
+    else:
+        ctx = lens
+    logits = rng.standard_normal((batch * next_n, width)).astype(np.float32)
+    logits[::3, ::5] = np.nan
+    ends = decode_row_ends(ctx, next_n)
+    out = _poisoned(cp, batch * next_n, k)
+    topk_per_row_decode(cp.asarray(logits), cp.asarray(ctx), next_n, k, out=out)
+    check_rows(logits, np.zeros_like(ends), ends, k, out.get())
+
+
+@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
+def test_decode_cluster_variants(cp, ktopk, cluster):
+    rng = np.random.default_rng(cluster)
+    k, next_n, width = 2048, 2, 131072
+    ctx = np.array([131072, 70001, 9000], np.int32)
+    logits = rng.standard_normal((3 * next_n, width)).astype(np.float32)
+    out = _poisoned(cp, 3 * next_n, k)
+    ktopk.topk_per_row_decode(cp, cp.asarray(logits), cp.asarray(ctx), next_n, k, out,
+                              cluster=cluster)
+    ends = decode_row_ends(ctx, next_n)
+    check_rows(logits, np.zeros_like(ends), ends, k, out.get())
+
+
+def test_many_rows_and_empty(cp):
+    rng = np.random.default_rng(11)
+    k = 512
+    rows, width = 3000, 1600
+    logits = rng.standard_normal((rows, width)).astype(np.float32)
+    starts = rng.integers(0, 500, rows).astype(np.int32)
+    ends = (starts + rng.integers(0, 1101, rows)).astype(np.int32)
+    out = _poisoned(cp, rows, k)
+    topk_per_row(cp.asarray(logits), cp.asarray(starts), cp.asarray(ends), k, out=out)
+    check_rows(logits, starts, ends, k, out.get())
+    empty = topk_per_row(cp.zeros((0, 10), cp.float32), cp.zeros(0, cp.int32),
+                         cp.zeros(0, cp.int32), 4)
+    assert empty.shape == (0, 4)
+
+
+def test_graph_capture_and_stream(cp):
+    """No host sync inside: the public call captures into a CUDA graph and replays."""
+    from cpsparse import raw_kernels
+    raw_kernels.precompile(["topk"])
+    rng = np.random.default_rng(3)
+    k, next_n = 2048, 1
+    ctx = np.array([131072, 5000, 100, 40000], np.int32)
+    width = 131072
+    logits_h = rng.standard_normal((ctx.size, width)).astype(np.float32)
+    logits, ctx_d = cp.asarray(logits_h), cp.asarray(ctx)
+    out = _poisoned(cp, ctx.size, k)
+    topk_per_row_decode(logits[:1], ctx_d[:1], next_n, k, out=out[:1])   # warm (SM count)
+    out.fill(POISON)
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        topk_per_row_decode(logits, ctx_d, next_n, k, out=out)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    ends = decode_row_ends(ctx, next_n)
+    check_rows(logits_h, np.zeros_like(ends), ends, k, out.get())
+    # replay on fresh values in the same buffers
+    logits_h = rng.standard_normal((ctx.size, width)).astype(np.float32)
+    with stream:
+        logits.set(logits_h)
+        out.fill(POISON)
+        graph.launch(stream)
+        stream.synchronize()
+    check_rows(logits_h, np.zeros_like(ends), ends, k, out.get())
+
+
+def test_matches_reference_backend_short_rows(cp):
+    """Rows no longer than k are bit-identical to the reference (no scoring needed)."""
+    rng = np.random.default_rng(2)
+    k = 1024
+    lens = [0, 1, 1000, 1023, 1024]
+    width, starts, ends = _ragged(rng, lens)
+    logits = rng.standard_normal((len(lens), width)).astype(np.float32)
+    ref = cpsparse.indexer.topk_per_row(logits, starts, ends, k)
+    got = topk_per_row(cp.asarray(logits), cp.asarray(starts), cp.asarray(ends), k,
+                       out=_poisoned(cp, len(lens), k))
+    assert np.array_equal(got.get(), ref)
