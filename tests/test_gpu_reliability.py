@@ -77,7 +77,10 @@ def test_decode_step_captured_in_a_cuda_graph_replays_correctly(cp):
     finally:
         cp.cuda.set_allocator(old)
     assert np.array_equal(cp.sort(buf, axis=1).get(), want_idx)
-    np.testing.assert_allclose(replayed.get(), eager.get(), rtol=1e-5, atol=1e-6)
+    # Same key sets; the top-k order may differ between runs, which regroups the
+    # bf16 softmax tiles: equal to attention precision, not bit for bit.
+    got, want = replayed.get(), eager.get()
+    assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want)
 
 
 def test_kernels_run_on_the_current_stream(cp):
@@ -124,11 +127,14 @@ def test_paged_logits_over_a_cache_larger_than_2_gib(cp):
     num_blocks = batch * pages
     cache = cpsparse.IndexerKCache(num_blocks, bs, 128, xp=cp)
     assert cache.data.nbytes > 2 ** 31
-    cache.data[...] = cp.asarray(rng.integers(0, 0x7E, (1, cache.page_bytes), dtype=np.uint8))
-    scales = cp.full((num_blocks, bs), 0.5, cp.float32)
-    cache.data[:, bs * 128:] = scales.view(cp.uint8)
+    # realistic keys (quantized normals): 64 pages' worth, tiled over the whole cache
+    pool = cpsparse.IndexerKCache(64, bs, 128)
+    pool.insert(rng.standard_normal((64 * bs, 128)).astype(np.float32),
+                np.arange(64 * bs, dtype=np.int32))
+    cache.data[...] = cp.tile(cp.asarray(pool.data), (num_blocks // 64, 1))
     table = cp.asarray(rng.permutation(num_blocks).astype(np.int32).reshape(batch, pages))
-    q8 = cp.asarray(rng.integers(0, 0x7E, (batch, 1, 16, 128), dtype=np.uint8))
+    q8 = cp.asarray(cpsparse.quantize_fp8(
+        rng.standard_normal((batch, 1, 16, 128)).astype(np.float32), eps=1e-10)[0])
     w = cp.asarray(rng.standard_normal((batch, 16)).astype(np.float32))
     lens = cp.asarray(rng.integers(context - 500, context + 1, batch).astype(np.int32))
     logits = cpsparse.paged_mqa_logits(q8, cache, w, lens, table, context)

@@ -12,7 +12,7 @@ for tool in memcheck racecheck initcheck synccheck; do
     extra=()
     [ "$tool" = memcheck ] && extra=(--leak-check no)
     [ "$tool" = initcheck ] && extra=(--track-unused-memory no)
-    timeout "${SANITIZE_TIMEOUT:-90}" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 99 --print-limit 20 \
+    timeout "${SANITIZE_TIMEOUT:-75}" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 99 --print-limit 20 \
         python3 -m pytest "$SUBSET" -q -p no:cacheprovider -x > "$OUT/sanitize_$tool.log" 2>&1
     rc=$?
     errors=$(grep -Eo "ERROR SUMMARY: [0-9]+ error" "$OUT/sanitize_$tool.log" | tail -1)
