@@ -8,14 +8,13 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SUBSET=${SANITIZE_TESTS:-tests/test_gpu_smoke.py}
 status=0
-for tool in memcheck racecheck initcheck synccheck; do
+for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
     extra=()
     [ "$tool" = memcheck ] && extra=(--leak-check no)
-    [ "$tool" = initcheck ] && extra=(--track-unused-memory no)
     timeout "${SANITIZE_TIMEOUT:-75}" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 99 --print-limit 20 \
         python3 -m pytest "$SUBSET" -q -p no:cacheprovider -x > "$OUT/sanitize_$tool.log" 2>&1
     rc=$?
-    errors=$(grep -Eo "ERROR SUMMARY: [0-9]+ error" "$OUT/sanitize_$tool.log" | tail -1)
+    errors=$(grep -Eo "(ERROR|RACECHECK) SUMMARY: .*" "$OUT/sanitize_$tool.log" | tail -1)
     echo "$tool: exit $rc, ${errors:-no summary}"
     [ "$rc" -eq 0 ] || status=1
 done
