@@ -18,7 +18,7 @@ TITLES = {
 
 def markdown(results):
     c = results.get("ceilings", {})
-    lines = [f"### Scenarios (`python -m cpsparse.bench`), {results.get('device', '?')}, "
+    lines = [f"# Scenarios (`python -m cpsparse.bench`), {results.get('device', '?')}, "
              f"{results['date']}", "",
              "Peers/ceilings measured in the same run: "
              + ", ".join(f"{k} = {v:.4g}" for k, v in c.items()) + ".", ""]
