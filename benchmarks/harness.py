@@ -9,6 +9,8 @@ import pathlib
 import platform
 import statistics
 
+from cpsparse.bench import table_lines
+
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
 
@@ -127,19 +129,4 @@ def write_results(name, payload, out_dir=None):
 
 def print_table(rows, columns):
     """Print rows (dicts) as an aligned text table of ``columns``."""
-    cells = [[str(c) for c in columns]]
-    for r in rows:
-        cells.append([_fmt(r.get(c)) for c in columns])
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    for n, row in enumerate(cells):
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
-        if n == 0:
-            print("  ".join("-" * w for w in widths))
-
-
-def _fmt(v):
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    print("\n".join(table_lines(rows, columns)))

@@ -332,14 +332,17 @@ COLUMNS = {
 }
 
 
+def table_lines(rows, columns):
+    """Rows (dicts) as aligned text lines of ``columns`` (header, rule, rows)."""
+    cells = [[str(c) for c in columns]] + [[_fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return lines[:1] + ["  ".join("-" * w for w in widths)] + lines[1:]
+
+
 def print_table(title, rows, columns):
     print(f"\n{title}")
-    cells = [columns] + [[_fmt(r.get(c)) for c in columns] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    for n, row in enumerate(cells):
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
-        if n == 0:
-            print("  ".join("-" * w for w in widths))
+    print("\n".join(table_lines(rows, columns)))
 
 
 def _fmt(v):

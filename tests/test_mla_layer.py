@@ -396,23 +396,6 @@ def test_mixed_backends_refused():
                       forward_context=ForwardContext.for_layers(meta, [NAME]))
 
 
-@pytest.fixture(params=[True, False], ids=["kernels", "reference_on_gpu"])
-def cupy_kernels(request):
-    """Run a GPU test with the CUDA kernels, then with the reference on CuPy arrays."""
-    import cpsparse
-    switch = getattr(cpsparse, "set_kernels_enabled", None)
-    if switch is None:
-        if not request.param:
-            pytest.skip("this cpsparse has no set_kernels_enabled")
-        yield request.param
-        return
-    previous = switch(request.param)
-    try:
-        yield request.param
-    finally:
-        switch(previous)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("q, ctx", [([40], [0]), ([30, 50], [0, 20])])
 def test_cupy_layer_matches_numpy(q, ctx, cupy_kernels):

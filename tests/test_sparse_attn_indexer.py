@@ -468,23 +468,6 @@ def test_validation():
 
 # ------------------------------------------------------------------- GPU -----
 
-@pytest.fixture(params=[True, False], ids=["kernels", "reference_on_gpu"])
-def cupy_kernels(request):
-    """Run a GPU test with the CUDA kernels, then with the reference on CuPy arrays."""
-    import cpsparse
-    switch = getattr(cpsparse, "set_kernels_enabled", None)
-    if switch is None:
-        if not request.param:
-            pytest.skip("this cpsparse has no set_kernels_enabled")
-        yield request.param
-        return
-    previous = switch(request.param)
-    try:
-        yield request.param
-    finally:
-        switch(previous)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("fires", [False, True])
 def test_cupy_matches_numpy(fires, cupy_kernels):
