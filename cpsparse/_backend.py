@@ -10,7 +10,7 @@ import functools
 
 import numpy
 
-__all__ = ["get_array_module", "cupy_module", "is_cupy_array", "gpu_available",
+__all__ = ["get_array_module", "backend_module", "cupy_module", "is_cupy_array", "gpu_available",
            "is_stream_capturing"]
 
 
@@ -50,6 +50,22 @@ def gpu_available():
         return cp.cuda.runtime.getDeviceCount() > 0
     except Exception:  # noqa: BLE001 - no driver / no device
         return False
+
+
+def backend_module(spec, name="xp"):
+    """``numpy`` or ``cupy`` from a module or its name; ``"auto"`` picks CuPy with a GPU.
+
+    Raises ValueError naming ``name`` for anything else (or ``"cupy"`` without CuPy).
+    """
+    if spec is numpy or spec == "numpy":
+        return numpy
+    cp = cupy_module()
+    if spec == "auto":
+        return cp if gpu_available() else numpy
+    if cp is not None and (spec is cp or spec == "cupy"):
+        return cp
+    raise ValueError(f"Invalid {name}: expected numpy or cupy (the module or its name), "
+                     f"got {spec!r}")
 
 
 def _backend_name(a):

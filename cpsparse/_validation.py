@@ -13,6 +13,7 @@ import numbers
 import numpy
 
 from cpsparse import _backend
+from cpsparse.reference._xp import to_host
 
 _DEVICE_VALUE_CHECKS = [True]
 
@@ -43,10 +44,6 @@ def value_checks_enabled(xp):
     if xp is numpy:
         return True
     return _DEVICE_VALUE_CHECKS[0] and not _backend.is_stream_capturing(xp)
-
-
-def _to_host(xp, a):
-    return a if xp is numpy else xp.asnumpy(a)
 
 
 def _dtype_name(dtype):
@@ -144,8 +141,8 @@ def check_windows(xp, ks, ke, num_keys, *, ks_name="ks", ke_name="ke"):
     """0 <= ks <= ke <= num_keys for every row."""
     if not value_checks_enabled(xp) or ks.size == 0:
         return
-    ks_h = _to_host(xp, ks).astype(numpy.int64)
-    ke_h = _to_host(xp, ke).astype(numpy.int64)
+    ks_h = to_host(ks).astype(numpy.int64)
+    ke_h = to_host(ke).astype(numpy.int64)
     bad = numpy.flatnonzero(ks_h > ke_h)
     if bad.size:
         i = int(bad[0])
@@ -168,7 +165,7 @@ def check_context_lens(xp, context_lens, block_table, block_size, max_context_le
     """Context lengths are >= 0, fit max_context_len, the block table and the pages."""
     if not value_checks_enabled(xp) or context_lens.size == 0:
         return
-    lens = _to_host(xp, context_lens).astype(numpy.int64)
+    lens = to_host(context_lens).astype(numpy.int64)
     lens = lens.reshape(lens.shape[0], -1)
     bad = numpy.argwhere(lens < 0)
     if bad.size:
@@ -197,7 +194,7 @@ def check_block_table(xp, lens, block_table, block_size, num_blocks=None):
                          f"{block_size}, but block_table has only {have} columns")
     if num_blocks is None:
         return
-    table = _to_host(xp, block_table)
+    table = to_host(block_table)
     used = numpy.arange(have)[None, :] < need[:, None]
     bad = numpy.argwhere(used & ((table < 0) | (table >= num_blocks)))
     if bad.size:
@@ -208,7 +205,7 @@ def check_block_table(xp, lens, block_table, block_size, num_blocks=None):
 
 def check_cu_seq_lens(xp, cu_seq_lens, name="cu_seq_lens"):
     """Non-decreasing and starting at 0; returns host int64 copy."""
-    cu = _to_host(xp, cu_seq_lens).astype(numpy.int64)
+    cu = to_host(cu_seq_lens).astype(numpy.int64)
     if cu.size == 0:
         raise ValueError(f"Invalid shape of {name}: expected [R + 1] with R >= 0, got (0,)")
     if cu[0] != 0:
@@ -225,7 +222,7 @@ def check_slots(xp, slots, num_slots, name="slot_mapping", allow_negative_one=Tr
     """Slots in [0, num_slots), or -1 (skip / padding) when allowed."""
     if not value_checks_enabled(xp) or slots.size == 0:
         return
-    s = _to_host(xp, slots)
+    s = to_host(slots)
     low = -1 if allow_negative_one else 0
     bad = numpy.flatnonzero((s < low) | (s >= num_slots))
     if bad.size:

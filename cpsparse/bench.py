@@ -28,9 +28,9 @@ import time
 import numpy
 
 import cpsparse
-from cpsparse import _backend
 from cpsparse.attention import local_to_global_slots, sparse_mla_attention
 from cpsparse.cache import IndexerKCache, MLAKVCache
+from cpsparse.demo import pick_backend
 from cpsparse.indexer import (IndexerStats, paged_mqa_logits, sparse_attn_indexer,
                               topk_per_row_decode)
 from cpsparse.metadata import ForwardContext, build_batch
@@ -416,11 +416,8 @@ def _save(fig, out_dir, name):
 def run(backend="auto", scenarios=SCENARIOS, out_dir=None, quick=False, seed=0,
         progress=print):
     """Run the scenarios; returns the results dict (also written as JSON)."""
-    if backend == "auto":
-        backend = "cupy" if _backend.gpu_available() else "numpy"
-    if backend == "cupy" and not _backend.gpu_available():
-        raise SystemExit("error: --backend cupy needs CuPy and a CUDA device")
-    xp = _backend.cupy_module() if backend == "cupy" else numpy
+    xp = pick_backend(backend)
+    backend = "numpy" if xp is numpy else "cupy"
     s = sizes(xp, quick)
     rng = numpy.random.default_rng(seed)
     # Value checks read device memory (a sync per call): off while timing, as in

@@ -17,15 +17,6 @@ from cpsparse.reference import fp8 as _fp8
 __all__ = ["IndexerKCache", "MLAKVCache"]
 
 
-def _module(xp):
-    if xp is numpy or xp == "numpy":
-        return numpy
-    cp = _backend.cupy_module()
-    if cp is not None and (xp is cp or xp == "cupy"):
-        return cp
-    raise ValueError(f"Invalid xp: expected numpy or cupy (the module or its name), got {xp!r}")
-
-
 def _check_slot_mapping(xp, slot_mapping, n, num_slots):
     V.check_array("slot_mapping", slot_mapping, dtype="int32", shape=(n,),
                   shape_desc="[N] (one slot per key)")
@@ -79,7 +70,7 @@ class IndexerKCache:
     KEY_EPS = 1e-4
 
     def __init__(self, num_blocks, block_size=64, head_dim=128, xp=numpy, scale_fmt="ue8m0"):
-        xp = _module(xp)
+        xp = _backend.backend_module(xp)
         V.check_nonnegative_int("num_blocks", num_blocks)
         V.check_positive_int("block_size", block_size)
         V.check_positive_int("head_dim", head_dim)
@@ -233,7 +224,7 @@ class MLAKVCache:
     """
 
     def __init__(self, num_blocks, block_size=64, kv_lora_rank=512, rope_dim=64, xp=numpy):
-        xp = _module(xp)
+        xp = _backend.backend_module(xp)
         V.check_nonnegative_int("num_blocks", num_blocks)
         _check_kv_lora_rank(kv_lora_rank)
         V.check_nonnegative_int("rope_dim", rope_dim)

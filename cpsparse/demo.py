@@ -25,12 +25,12 @@ from cpsparse.mtp import MTPDrafter
 from cpsparse.platform import StaticPlatform, current_platform
 
 
-def _pick_backend(name):
-    if name == "auto":
-        name = "cupy" if _backend.gpu_available() else "numpy"
-    if name == "cupy" and not _backend.gpu_available():
+def pick_backend(name):
+    """The array module for --backend (auto: CuPy when a GPU is there)."""
+    xp = _backend.backend_module(name, "backend")
+    if xp is not numpy and not _backend.gpu_available():
         raise SystemExit("error: --backend cupy needs CuPy and a CUDA device")
-    return _backend.cupy_module() if name == "cupy" else numpy
+    return xp
 
 
 class PagePool:
@@ -119,7 +119,7 @@ def _sync(xp):
 
 
 def run(args):
-    xp = _pick_backend(args.backend)
+    xp = pick_backend(args.backend)
     config = MLAConfig.small() if args.config == "small" else MLAConfig()
     if args.platform == "detected":
         platform = current_platform()

@@ -53,7 +53,7 @@ def quantize_fp8(x, block_size=128, scale_fmt="ue8m0", eps=1e-4):
     >>> cpsparse.dequantize_fp8(codes, scales, block_size=4)
     array([[ 0.5, -1. ,  2. ,  3.5]], dtype=float32)
     """
-    _backend.get_array_module(x=x)
+    xp = _backend.get_array_module(x=x)
     block_size = V.check_positive_int("block_size", block_size)
     V.check_array("x", x, dtype=V.FLOAT_DTYPES)
     if x.ndim < 1:
@@ -61,7 +61,6 @@ def quantize_fp8(x, block_size=128, scale_fmt="ue8m0", eps=1e-4):
     V.check_block_multiple("x", x.shape[-1], block_size)
     V.check_choice("scale_fmt", scale_fmt, SCALE_FORMATS)
     V.check_float32_positive("eps", eps)
-    xp = _backend.get_array_module(x=x)
     if _backend.use_kernels(xp) and _kquant.supports_group(block_size):
         return _kquant.quantize_fp8(xp, x, block_size, scale_fmt, eps)
     return _ref.quantize_groups(x, block_size, scale_fmt, eps)

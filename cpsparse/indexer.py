@@ -89,7 +89,7 @@ def hadamard_rotate(x):
     return _ref.hadamard_rotate(x)
 
 
-def _check_heads(q_name, q_codes, weights, rows):
+def _check_heads(q_codes, weights, rows):
     heads = q_codes.shape[-2]
     V.check_array("weights", weights, ndim=2, dtype="float32", shape=(rows, heads),
                   shape_desc=f"[{'M' if q_codes.ndim == 3 else 'B * next_n'}, H]")
@@ -141,7 +141,7 @@ def mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke):
                   shape_desc="[N, D]")
     n = k_codes.shape[0]
     V.check_array("k_scales", k_scales, dtype="float32", shape=(n,), shape_desc="[N]")
-    _check_heads("q_codes", q_codes, weights, m)
+    _check_heads(q_codes, weights, m)
     V.check_array("ks", ks, dtype="int32", shape=(m,), shape_desc="[M]")
     V.check_array("ke", ke, dtype="int32", shape=(m,), shape_desc="[M]")
     V.check_windows(xp, ks, ke, n)
@@ -226,7 +226,7 @@ def paged_mqa_logits(q_codes, cache, weights, context_lens, block_table, max_con
     V.check_array("q_codes", q_codes, ndim=4, dtype="uint8", shape_desc="[B, next_n, H, D]")
     batch, next_n, heads, dim = q_codes.shape
     cache = _cache_of(cache, dim)
-    _check_heads("q_codes", q_codes, weights, batch * next_n)
+    _check_heads(q_codes, weights, batch * next_n)
     _check_decode_lens(context_lens, batch, next_n)
     V.check_array("block_table", block_table, ndim=2, dtype="int32", shape=(batch, None),
                   shape_desc="[B, max_blocks]")

@@ -21,6 +21,8 @@ import numpy
 
 from cpsparse import _backend
 from cpsparse import _validation as V
+from cpsparse.reference import attention as _attention_ref
+from cpsparse.reference._xp import to_host
 
 __all__ = ["BatchMetadata", "DecodeMetadata", "PrefillChunk", "PrefillMetadata",
            "MLAMetadata", "MLAPrefillMetadata", "ForwardContext", "build_batch",
@@ -227,7 +229,7 @@ def build_batch(query_lens, context_lens, block_table, *, next_n=1, block_size=6
     if xp is None:
         xp = _backend.get_array_module(block_table=block_table)
     V.check_array("block_table", block_table, ndim=2, dtype="int32", shape_desc="[R, max_blocks]")
-    table_h = block_table.get() if xp is not numpy else numpy.asarray(block_table)
+    table_h = to_host(block_table)
     q = numpy.asarray(query_lens, dtype=numpy.int64).reshape(-1)
     ctx = numpy.asarray(context_lens, dtype=numpy.int64).reshape(-1)
     if q.shape != ctx.shape or q.shape[0] != table_h.shape[0]:
@@ -256,8 +258,8 @@ def build_batch(query_lens, context_lens, block_table, *, next_n=1, block_size=6
     total = int(cu[-1])
     req_ids = numpy.repeat(numpy.arange(q.size), q)
     positions = numpy.arange(total) - numpy.repeat(cu[:-1], q) + numpy.repeat(ctx, q)
-    slots = table_h[req_ids, positions // block_size].astype(numpy.int64) * block_size \
-        + positions % block_size
+    slots = _attention_ref.local_to_global_slots(positions[:, None], req_ids, table_h,
+                                                 block_size)[:, 0]
     dev = (lambda a: xp.asarray(a)) if xp is not numpy else (lambda a: a)
     i32 = numpy.int32
 

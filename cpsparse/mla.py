@@ -33,6 +33,7 @@ from cpsparse.indexer import (IndexerStats, fold_weights, hadamard_rotate,
                               sparse_attn_indexer)
 from cpsparse.metadata import get_forward_context
 from cpsparse.platform import current_platform
+from cpsparse.reference import attention as _attention_ref
 
 __all__ = ["MLAConfig", "DeepseekV32MLA", "DeepseekV32AttentionStack", "init_weights",
            "AttentionStats"]
@@ -452,19 +453,18 @@ class DeepseekV32MLA:
     def _dense(self, q, batch, first_request):
         """Causal MHA of the prefill requests over all their cached latents."""
         xp, c = self.xp, self.config
-        table = batch.block_table
-        reqs = range(first_request, batch.num_reqs)
         seq = batch.seq_lens[first_request:]
         cu_k = numpy.concatenate([[0], numpy.cumsum(seq)]).astype(numpy.int32)
         qlen = batch.query_lens[first_request:]
         cu_q = numpy.concatenate([[0], numpy.cumsum(qlen)]).astype(numpy.int32)
-        slots = []
-        for r, n in zip(reqs, seq.tolist()):
-            pos = xp.arange(n)
-            slots.append(table[r, pos // c.block_size].astype(xp.int64) * c.block_size
-                         + pos % c.block_size)
-        slot_arr = xp.concatenate(slots).astype(xp.int32) if slots else xp.zeros(0, xp.int32)
-        kv = self.mla_cache.gather(slot_arr)
+        # Every position 0..seq-1 of each prefill request, mapped to its slot.
+        req = numpy.repeat(numpy.arange(first_request, batch.num_reqs), seq).astype(numpy.int32)
+        pos = (numpy.arange(int(cu_k[-1])) - numpy.repeat(cu_k[:-1], seq)).astype(numpy.int32)
+        # (the reference formula directly: inputs are ours, and the sparse route's
+        # public call stays the only reader of top-k rows)
+        slots = _attention_ref.local_to_global_slots(xp.asarray(pos[:, None]), xp.asarray(req),
+                                                     batch.block_table, c.block_size)[:, 0]
+        kv = self.mla_cache.gather(xp.ascontiguousarray(slots))
         self.attention_stats.dense_tokens += q.shape[0]
         out, _ = dense_mla_attention(q, kv, c.sm_scale, cu_seqlens_q=xp.asarray(cu_q),
                                      cu_seqlens_k=xp.asarray(cu_k), d_v=c.kv_lora_rank)

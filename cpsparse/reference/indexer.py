@@ -12,7 +12,7 @@ import numpy
 
 from cpsparse.reference import cache as cache_ref
 from cpsparse.reference import fp8
-from cpsparse.reference._xp import xp_of
+from cpsparse.reference._xp import to_host, xp_of
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -47,8 +47,8 @@ def mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke):
     k = fp8.e4m3_decode(k_codes).astype(xp.float64)
     s_k = k_scales.astype(xp.float64)
     w = weights.astype(xp.float64)
-    ks_h = numpy.asarray(ks.get() if xp is not numpy else ks).astype(numpy.int64)
-    ke_h = numpy.asarray(ke.get() if xp is not numpy else ke).astype(numpy.int64)
+    ks_h = to_host(ks).astype(numpy.int64)
+    ke_h = to_host(ke).astype(numpy.int64)
     rows = max(1, WORKSPACE_BYTES // (8 * heads * max(1, n_keys)))
     for m0 in range(0, m_total, rows):
         m1 = min(m_total, m0 + rows)
@@ -84,7 +84,7 @@ def paged_mqa_logits(q_codes, cache_data, block_size, weights, context_lens, blo
     batch, next_n, heads, dim = q_codes.shape
     out = xp.full((batch * next_n, max_context_len), -xp.inf, dtype=xp.float32)
     ends = decode_row_ends(context_lens, next_n)
-    ends_h = numpy.asarray(ends.get() if xp is not numpy else ends)
+    ends_h = to_host(ends)
     for b in range(batch):
         rows = slice(b * next_n, (b + 1) * next_n)
         length = int(ends_h[rows].max()) if next_n else 0
