@@ -76,28 +76,41 @@ def _backend_name(a):
     return None
 
 
-def get_array_module(**arrays):
-    """Return ``numpy`` or ``cupy`` for the named arrays; refuse to mix them.
+def get_array_module(*args, **arrays):
+    """Return ``numpy`` or ``cupy`` for the given arrays; refuse to mix them.
+
+    Called like CuPy's ``cupy.get_array_module(*args)``: positional arguments
+    that are not arrays (scalars, None, lists) are ignored and the answer is
+    ``cupy`` when any of them is a CuPy array. The keyword form names the
+    arguments of an op, and there every non-None value must be an array.
 
     Parameters
     ----------
+    *args
+        Any objects (CuPy's signature).
     **arrays
-        The op's array arguments by name (``None`` values are ignored).
+        Array arguments by name (``None`` values are ignored).
 
     Raises
     ------
     TypeError
-        If an argument is not a NumPy or CuPy array, or if NumPy and CuPy
+        If a named argument is not a NumPy or CuPy array, or if NumPy and CuPy
         arrays are mixed (cpsparse never copies between host and device
         behind the caller's back).
 
     Examples
     --------
     >>> import numpy as np, cpsparse
+    >>> cpsparse.get_array_module(np.zeros(3), 1.0) is np
+    True
     >>> cpsparse.get_array_module(logits=np.zeros(3), out=None) is np
     True
     """
     found = {}
+    for i, a in enumerate(args):
+        backend = _backend_name(a)
+        if backend is not None:
+            found.setdefault(backend, f"argument {i}")
     for name, a in arrays.items():
         if a is None:
             continue

@@ -17,7 +17,14 @@ from cpsparse.reference._xp import to_host
 
 _DEVICE_VALUE_CHECKS = [True]
 
-INDEX_DTYPE = numpy.dtype(numpy.int32)
+# Index arguments (slots, page ids, lengths, windows, indices, request ids) come as the
+# caller has them: int32, or int64 like vLLM's slot_mapping and NumPy's/torch's default
+# integers. The NumPy reference reads both; the CUDA launchers take int32 and convert an
+# int64 array with one saturating pass (cpsparse.kernels.index_i32).
+INDEX_DTYPES = ("int32", "int64")
+# e4m3 codes: uint8 on both backends, or ml_dtypes.float8_e4m3fn arrays on NumPy
+# (viewed as uint8, no copy).
+CODE_DTYPES = ("uint8", "float8_e4m3fn")
 FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
 
 
@@ -92,6 +99,25 @@ def check_array(name, a, *, ndim=None, dtype=None, shape=None, shape_desc=None,
     if contiguous and not a.flags.c_contiguous:
         raise ValueError(f"Invalid layout of {name}: expected a C-contiguous array, "
                          f"got strides {tuple(a.strides)} for shape {tuple(a.shape)}")
+    return a
+
+
+def check_index(name, a, **kwargs):
+    """An index argument: int32 or int64 (see INDEX_DTYPES); other checks as check_array."""
+    return check_array(name, a, dtype=INDEX_DTYPES, **kwargs)
+
+
+def check_codes(name, a, **kwargs):
+    """e4m3 codes as uint8 or float8_e4m3fn; returns the uint8 view the ops compute on."""
+    check_array(name, a, dtype=CODE_DTYPES, **kwargs)
+    return a.view(numpy.uint8) if _dtype_name(a.dtype) == "float8_e4m3fn" else a
+
+
+def squeeze_axis(name, a, axis, ndim):
+    """Drop a size-1 ``axis`` of an ``ndim``-D peer view (FlashMLA's ``[T, 1, topk]``
+    indices, DeepGEMM's ``[num_blocks, block_size, 1, D + 4]`` cache): no copy."""
+    if getattr(a, "ndim", None) == ndim and a.shape[axis] == 1:
+        return a.reshape(a.shape[:axis] + a.shape[axis + 1:])
     return a
 
 
@@ -180,8 +206,17 @@ def check_context_lens(xp, context_lens, block_table, block_size, max_context_le
     check_block_table(xp, lens, block_table, block_size, num_blocks)
 
 
-def check_block_table(xp, lens, block_table, block_size, num_blocks=None):
-    """Each request's pages fit the table and are valid ids (lens: host int64 [R])."""
+INT32_MAX = 2 ** 31 - 1
+
+
+def check_block_table(xp, lens, block_table, block_size, num_blocks=None, *,
+                      name="block_table", what=""):
+    """Each request's pages fit the table and are valid ids (lens: host int64 [R]).
+
+    A used page id must be >= 0, below ``num_blocks`` when given, and small enough that
+    its slots ``page * block_size + offset`` fit int32 (a larger one wraps onto another
+    request's page). ``what`` names the cache the ids refer to, for the message.
+    """
     if not value_checks_enabled(xp) or lens.size == 0:
         return
     need = -(-lens // block_size)
@@ -189,18 +224,27 @@ def check_block_table(xp, lens, block_table, block_size, num_blocks=None):
     bad = numpy.flatnonzero(need > have)
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"Invalid shape of block_table: request {i} has context length "
+        raise ValueError(f"Invalid shape of {name}: request {i} has context length "
                          f"{int(lens[i])}, which needs {int(need[i])} blocks of "
-                         f"{block_size}, but block_table has only {have} columns")
-    if num_blocks is None:
-        return
-    table = to_host(block_table)
+                         f"{block_size}, but {name} has only {have} columns")
+    table = to_host(block_table).astype(numpy.int64)
     used = numpy.arange(have)[None, :] < need[:, None]
-    bad = numpy.argwhere(used & ((table < 0) | (table >= num_blocks)))
+    limit = (INT32_MAX + 1) // block_size if num_blocks is None else min(
+        num_blocks, (INT32_MAX + 1) // block_size)
+    bad = numpy.argwhere(used & ((table < 0) | (table >= limit)))
     if bad.size:
         r, j = (int(v) for v in bad[0])
-        raise ValueError(f"Invalid block_table: request {r} uses page id {int(table[r, j])} "
-                         f"in column {j}, expected 0 <= id < num_blocks={num_blocks}")
+        page = int(table[r, j])
+        if num_blocks is not None and 0 <= page < num_blocks:
+            expected = (f"expected its slots to fit int32 (page id < "
+                        f"{(INT32_MAX + 1) // block_size} with block_size={block_size})")
+        elif num_blocks is None:
+            expected = (f"expected 0 <= id < {limit} (slots page * {block_size} + offset "
+                        f"must fit int32)")
+        else:
+            expected = f"expected 0 <= id < num_blocks={num_blocks}{what}"
+        raise ValueError(f"Invalid {name}: request {r} uses page id {page} in column {j}, "
+                         f"{expected}")
 
 
 def check_cu_seq_lens(xp, cu_seq_lens, name="cu_seq_lens"):

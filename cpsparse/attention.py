@@ -43,17 +43,20 @@ def _kv_source(kv_cache, dqk, d_v):
         return (kv_cache.records(), lambda rec: _cache_ref.mla_decode(rec, lora, rope),
                 lora if d_v is None else d_v)
     V.check_array("kv_cache", kv_cache, contiguous=True)
-    if str(kv_cache.dtype) == "uint8":
+    if str(kv_cache.dtype) in V.CODE_DTYPES:
         # A raw fp8_ds_mla array: infer L from D = L + R and T = L + L/32 + 2R.
+        kv_cache = V.squeeze_axis("kv_cache", kv_cache, 2, 4)   # FlashMLA's [nb, bs, 1, T]
         if kv_cache.ndim != 3:
             raise ValueError("Invalid shape of kv_cache: expected [num_blocks, block_size, "
-                             f"token_bytes] for the fp8_ds_mla layout, got {kv_cache.shape}")
+                             "token_bytes] or [num_blocks, block_size, 1, token_bytes] for "
+                             f"the fp8_ds_mla layout, got {kv_cache.shape}")
         lora = (2 * dqk - kv_cache.shape[2]) * 32 // 31
         if lora <= 0 or lora % 128 or _cache_ref.mla_token_bytes(lora, dqk - lora) != \
                 kv_cache.shape[2]:
             raise ValueError(f"Invalid shape of kv_cache: token_bytes={kv_cache.shape[2]} "
                              f"matches no fp8_ds_mla layout of head dim {dqk}")
-        return _kv_source(MLAKVCache.wrap(kv_cache, lora, dqk - lora), dqk, d_v)
+        return _kv_source(MLAKVCache.wrap(kv_cache, lora, dqk - lora, name="kv_cache"), dqk,
+                          d_v)
     V.check_array("kv_cache", kv_cache, ndim=2, dtype=V.FLOAT_DTYPES, shape=(None, dqk),
                   shape_desc="[num_slots, D] (dense latent)")
     return kv_cache, None, (dqk - DEFAULT_ROPE_DIM if d_v is None else d_v)
@@ -87,11 +90,15 @@ def sparse_mla_attention(q, kv_cache, indices, sm_scale, *, d_v=None):
     q : float [T, H, D]
         Absorbed queries (D = 576 for DeepSeek-V3.2).
     kv_cache : MLAKVCache, uint8 [num_blocks, block_size, token_bytes] or float [S, D]
-        The paged fp8_ds_mla cache (dequantized on the fly), or a dense latent
+        The paged fp8_ds_mla cache (dequantized on the fly; FlashMLA's
+        ``[num_blocks, block_size, 1, 656]`` view is accepted), or a dense latent
         workspace (e.g. bf16 rows gathered for prefill).
-    indices : int32 [T, topk]
+    indices : int32 or int64 [T, topk] or [T, 1, topk]
         Global slots (``page * block_size + offset``); -1 is masked. A slot
-        listed twice counts twice.
+        listed twice counts twice. With value checks off (or under CUDA-graph
+        capture) any slot outside ``[0, num_slots)`` is masked too, as FlashMLA
+        does: it is never read. A masked slot's contents (NaN included) never
+        reach the output.
     sm_scale : float
         See :func:`softmax_scale`.
     d_v : int, optional
@@ -103,7 +110,8 @@ def sparse_mla_attention(q, kv_cache, indices, sm_scale, *, d_v=None):
     out : float32 [T, H, d_v]
     lse : float32 [T, H]
         Natural-log sum of exp of the scaled scores; a row with no valid index
-        gets ``out = 0`` and ``lse = -inf``.
+        gets ``out = 0`` and ``lse = -inf``. A NaN in a query or in a valid key
+        gives NaN in that row's out and lse.
 
     Examples
     --------
@@ -123,8 +131,9 @@ def sparse_mla_attention(q, kv_cache, indices, sm_scale, *, d_v=None):
     tokens, heads, dqk = _check_q(q)
     rows, decode, d_v = _kv_source(kv_cache, dqk, d_v)
     d_v = _check_d_v(d_v, dqk)
-    V.check_array("indices", indices, ndim=2, dtype="int32", shape=(tokens, None),
-                  shape_desc="[T, topk]")
+    indices = V.squeeze_axis("indices", indices, 1, 3)       # FlashMLA's [T, 1, topk]
+    V.check_index("indices", indices, ndim=2, shape=(tokens, None),
+                  shape_desc="[T, topk] or [T, 1, topk]")
     V.check_slots(xp, indices, rows.shape[0], name="indices")
     sm_scale = _check_scale(sm_scale)
     if _backend.use_kernels(xp):
@@ -183,9 +192,9 @@ def dense_mla_attention(q, kv, sm_scale, *, cu_seqlens_q=None, cu_seqlens_k=None
         cu_q = numpy.array([0, tokens], numpy.int64)
         cu_k = numpy.array([0, kv.shape[0]], numpy.int64)
     else:
-        V.check_array("cu_seqlens_q", cu_seqlens_q, ndim=1, dtype="int32",
+        V.check_index("cu_seqlens_q", cu_seqlens_q, ndim=1,
                       shape_desc="[R + 1]")
-        V.check_array("cu_seqlens_k", cu_seqlens_k, dtype="int32",
+        V.check_index("cu_seqlens_k", cu_seqlens_k,
                       shape=(cu_seqlens_q.shape[0],), shape_desc="[R + 1] (as cu_seqlens_q)")
         cu_q = V.check_cu_seq_lens(xp, cu_seqlens_q, "cu_seqlens_q")
         cu_k = V.check_cu_seq_lens(xp, cu_seqlens_k, "cu_seqlens_k")
@@ -230,10 +239,10 @@ def local_to_global_slots(indices, req_ids, block_table, block_size=64):
     """
     xp = _backend.get_array_module(indices=indices, req_ids=req_ids, block_table=block_table)
     block_size = V.check_positive_int("block_size", block_size)
-    V.check_array("indices", indices, ndim=2, dtype="int32", shape_desc="[T, topk]")
-    V.check_array("req_ids", req_ids, dtype="int32", shape=(indices.shape[0],),
+    V.check_index("indices", indices, ndim=2, shape_desc="[T, topk]")
+    V.check_index("req_ids", req_ids, shape=(indices.shape[0],),
                   shape_desc="[T]")
-    V.check_array("block_table", block_table, ndim=2, dtype="int32",
+    V.check_index("block_table", block_table, ndim=2,
                   shape_desc="[R, max_blocks]")
     V.check_slots(xp, indices, block_table.shape[1] * block_size, name="indices")
     V.check_slots(xp, req_ids, block_table.shape[0], name="req_ids", allow_negative_one=False)

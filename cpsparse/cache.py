@@ -18,7 +18,7 @@ __all__ = ["IndexerKCache", "MLAKVCache"]
 
 
 def _check_slot_mapping(xp, slot_mapping, n, num_slots):
-    V.check_array("slot_mapping", slot_mapping, dtype="int32", shape=(n,),
+    V.check_index("slot_mapping", slot_mapping, shape=(n,),
                   shape_desc="[N] (one slot per key)")
     V.check_slots(xp, slot_mapping, num_slots)
 
@@ -84,12 +84,14 @@ class IndexerKCache:
 
         ``data`` is ``uint8 [num_blocks, block_size * (head_dim + 4)]``, or the
         ``[num_blocks, block_size, head_dim + 4]`` container view vLLM may hand
-        over (same bytes; viewed as 2-D).
+        over, or DeepGEMM's ``[num_blocks, block_size, 1, head_dim + 4]`` (same
+        bytes; viewed as 2-D).
         """
         self = cls.__new__(cls)
         _backend.get_array_module(**{name: data})
         V.check_positive_int("block_size", block_size)
         V.check_positive_int("head_dim", head_dim)
+        data = V.squeeze_axis(name, data, 2, 4)     # DeepGEMM's [num_blocks, bs, 1, D + 4]
         if getattr(data, "ndim", None) == 3:
             V.check_array(name, data, dtype="uint8", shape=(None, block_size, head_dim + 4),
                           shape_desc="[num_blocks, block_size, head_dim + 4]")
@@ -151,8 +153,8 @@ class IndexerKCache:
         """Store already quantized keys: codes uint8 [N, head_dim], scales float32 [N]."""
         xp = _backend.get_array_module(codes=codes, scales=scales, slot_mapping=slot_mapping,
                                        data=self.data)
-        V.check_array("codes", codes, ndim=2, dtype="uint8", shape=(None, self.head_dim),
-                      shape_desc="[N, head_dim]")
+        codes = V.check_codes("codes", codes, ndim=2, shape=(None, self.head_dim),
+                              shape_desc="[N, head_dim]")
         V.check_array("scales", scales, dtype="float32", shape=(codes.shape[0],),
                       shape_desc="[N]")
         _check_slot_mapping(xp, slot_mapping, codes.shape[0], self.num_slots)
@@ -177,9 +179,9 @@ class IndexerKCache:
         """
         xp = _backend.get_array_module(block_table=block_table, cu_seq_lens=cu_seq_lens,
                                        data=self.data)
-        V.check_array("block_table", block_table, ndim=2, dtype="int32",
+        V.check_index("block_table", block_table, ndim=2,
                       shape_desc="[R, max_blocks]")
-        V.check_array("cu_seq_lens", cu_seq_lens, dtype="int32",
+        V.check_index("cu_seq_lens", cu_seq_lens,
                       shape=(block_table.shape[0] + 1,), shape_desc="[R + 1]")
         cu = V.check_cu_seq_lens(xp, cu_seq_lens)
         lens = numpy.diff(cu)
@@ -234,15 +236,20 @@ class MLAKVCache:
         self._setup(data, kv_lora_rank, rope_dim)
 
     @classmethod
-    def wrap(cls, data, kv_lora_rank=512, rope_dim=64):
-        """Use an existing ``uint8 [num_blocks, block_size, token_bytes]`` array."""
+    def wrap(cls, data, kv_lora_rank=512, rope_dim=64, name="data"):
+        """Use an existing ``uint8 [num_blocks, block_size, token_bytes]`` array.
+
+        FlashMLA's view ``[num_blocks, block_size, 1, token_bytes]`` is accepted too,
+        and on NumPy a ``float8_e4m3fn`` array of those bytes (viewed as uint8).
+        """
         self = cls.__new__(cls)
-        _backend.get_array_module(data=data)
+        _backend.get_array_module(**{name: data})
         _check_kv_lora_rank(kv_lora_rank)
         V.check_nonnegative_int("rope_dim", rope_dim)
-        V.check_array("data", data, ndim=3, dtype="uint8",
-                      shape=(None, None, _ref.mla_token_bytes(kv_lora_rank, rope_dim)),
-                      shape_desc="[num_blocks, block_size, token_bytes]")
+        data = V.squeeze_axis(name, data, 2, 4)     # FlashMLA's [num_blocks, bs, 1, bytes]
+        data = V.check_codes(name, data, ndim=3,
+                             shape=(None, None, _ref.mla_token_bytes(kv_lora_rank, rope_dim)),
+                             shape_desc="[num_blocks, block_size, token_bytes]")
         self._setup(data, kv_lora_rank, rope_dim)
         return self
 
@@ -281,7 +288,6 @@ class MLAKVCache:
     def gather(self, slots):
         """Dequantized rows float32 [N, L + R] of global ``slots`` [N] (no -1)."""
         xp = _backend.get_array_module(slots=slots, data=self.data)
-        V.check_array("slots", slots, ndim=1, dtype="int32", shape_desc="[N]")
+        V.check_index("slots", slots, ndim=1, shape_desc="[N]")
         V.check_slots(xp, slots, self.num_slots, name="slots", allow_negative_one=False)
-        return _ref.mla_decode(self.records()[slots.astype(xp.int64)], self.kv_lora_rank,
-                               self.rope_dim)
+        return _ref.mla_read(self.data, slots, self.kv_lora_rank, self.rope_dim)

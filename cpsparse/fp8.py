@@ -88,7 +88,7 @@ def dequantize_fp8(codes, scales, block_size=128):
     """
     _backend.get_array_module(codes=codes, scales=scales)
     block_size = V.check_positive_int("block_size", block_size)
-    V.check_array("codes", codes, dtype="uint8")
+    codes = V.check_codes("codes", codes)
     if codes.ndim < 1:
         raise ValueError(f"Invalid shape of codes: expected at least 1 dimension, "
                          f"got {codes.shape}")

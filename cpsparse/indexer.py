@@ -102,15 +102,18 @@ def mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke):
     ----------
     q_codes : uint8 [M, H, D]
         e4m3 codes of the queries (one scale per (token, head), folded into
-        ``weights``).
+        ``weights``); on NumPy also ``ml_dtypes.float8_e4m3fn``.
     k_codes : uint8 [N, D]
         e4m3 codes of the keys, e.g. from :meth:`cpsparse.IndexerKCache.gather`.
-    k_scales : float32 [N]
+    k_scales : float32 [N] or [N, 1]
+        ``[N, 1]`` is what :func:`cpsparse.quantize_fp8` returns.
     weights : float32 [M, H]
         Head weights with the query scales folded in (:func:`fold_weights`).
-    ks, ke : int32 [M]
+    ks, ke : int32 or int64 [M]
         Window of each query, ``[ks, ke)`` in key rows. For query i of request
         r with context length ctx: ``ks = cu[r]``, ``ke = cu[r] + ctx + i + 1``.
+        With value checks off, a window reaching outside ``[0, N)`` is clamped
+        to it.
 
     Returns
     -------
@@ -135,15 +138,15 @@ def mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke):
     """
     xp = _backend.get_array_module(q_codes=q_codes, k_codes=k_codes, k_scales=k_scales,
                                    weights=weights, ks=ks, ke=ke)
-    V.check_array("q_codes", q_codes, ndim=3, dtype="uint8", shape_desc="[M, H, D]")
+    q_codes = V.check_codes("q_codes", q_codes, ndim=3, shape_desc="[M, H, D]")
     m, heads, dim = q_codes.shape
-    V.check_array("k_codes", k_codes, ndim=2, dtype="uint8", shape=(None, dim),
-                  shape_desc="[N, D]")
+    k_codes = V.check_codes("k_codes", k_codes, ndim=2, shape=(None, dim), shape_desc="[N, D]")
     n = k_codes.shape[0]
-    V.check_array("k_scales", k_scales, dtype="float32", shape=(n,), shape_desc="[N]")
+    k_scales = V.squeeze_axis("k_scales", k_scales, 1, 2)     # quantize_fp8's [N, 1]
+    V.check_array("k_scales", k_scales, dtype="float32", shape=(n,), shape_desc="[N] or [N, 1]")
     _check_heads(q_codes, weights, m)
-    V.check_array("ks", ks, dtype="int32", shape=(m,), shape_desc="[M]")
-    V.check_array("ke", ke, dtype="int32", shape=(m,), shape_desc="[M]")
+    V.check_index("ks", ks, shape=(m,), shape_desc="[M]")
+    V.check_index("ke", ke, shape=(m,), shape_desc="[M]")
     V.check_windows(xp, ks, ke, n)
     if _backend.use_kernels(xp):
         from cpsparse.kernels import indexer as _kindexer
@@ -162,6 +165,7 @@ def _cache_of(cache, dim):
                         f"[num_blocks, block_size * (D + 4)] array, got "
                         f"{type(cache).__qualname__}")
     V.check_array("cache", cache, dtype="uint8")
+    cache = V.squeeze_axis("cache", cache, 2, 4)     # DeepGEMM's [num_blocks, bs, 1, D + 4]
     if cache.ndim == 3:       # the [num_blocks, block_size, D + 4] container view
         return IndexerKCache.wrap(cache, block_size=cache.shape[1], head_dim=dim, name="cache")
     V.check_array("cache", cache, ndim=2, shape_desc="[num_blocks, block_size * (D + 4)]")
@@ -174,10 +178,10 @@ def _cache_of(cache, dim):
 
 def _check_decode_lens(context_lens, batch, next_n):
     if getattr(context_lens, "ndim", None) == 2:
-        V.check_array("context_lens", context_lens, dtype="int32", shape=(batch, next_n),
+        V.check_index("context_lens", context_lens, shape=(batch, next_n),
                       shape_desc="[B] or [B, next_n]")
     else:
-        V.check_array("context_lens", context_lens, dtype="int32", shape=(batch,),
+        V.check_index("context_lens", context_lens, shape=(batch,),
                       shape_desc="[B] or [B, next_n]")
 
 
@@ -188,13 +192,18 @@ def paged_mqa_logits(q_codes, cache, weights, context_lens, block_table, max_con
     ----------
     q_codes : uint8 [B, next_n, H, D]
         ``next_n = 1 +`` the number of speculative tokens.
-    cache : IndexerKCache or uint8 [num_blocks, block_size * (D + 4)]
+    cache : IndexerKCache or uint8 array
+        ``[num_blocks, block_size * (D + 4)]`` (vLLM), or the same bytes viewed
+        ``[num_blocks, block_size, D + 4]`` or ``[num_blocks, block_size, 1, D + 4]``
+        (DeepGEMM).
     weights : float32 [B * next_n, H]
-    context_lens : int32 [B] or [B, next_n]
+    context_lens : int32 or int64 [B] or [B, next_n]
         1-D: total length L_b including the new tokens; row (b, j) sees
         positions ``< L_b - next_n + j + 1``. 2-D: row (b, j) sees positions
         ``< context_lens[b, j]``.
-    block_table : int32 [B, max_blocks]
+    block_table : int32 or int64 [B, max_blocks]
+        With value checks off, a page id outside ``[0, num_blocks)`` (or a
+        position past the table) is never read: its keys score ``-inf``.
     max_context_len : int
         Width of the output (>= every context length).
 
@@ -223,12 +232,12 @@ def paged_mqa_logits(q_codes, cache, weights, context_lens, block_table, max_con
                                    block_table=block_table,
                                    cache=cache.data if isinstance(cache, IndexerKCache)
                                    else cache)
-    V.check_array("q_codes", q_codes, ndim=4, dtype="uint8", shape_desc="[B, next_n, H, D]")
+    q_codes = V.check_codes("q_codes", q_codes, ndim=4, shape_desc="[B, next_n, H, D]")
     batch, next_n, heads, dim = q_codes.shape
     cache = _cache_of(cache, dim)
     _check_heads(q_codes, weights, batch * next_n)
     _check_decode_lens(context_lens, batch, next_n)
-    V.check_array("block_table", block_table, ndim=2, dtype="int32", shape=(batch, None),
+    V.check_index("block_table", block_table, ndim=2, shape=(batch, None),
                   shape_desc="[B, max_blocks]")
     max_context_len = V.check_nonnegative_int("max_context_len", max_context_len)
     V.check_context_lens(xp, context_lens, block_table, cache.block_size, max_context_len,
@@ -291,8 +300,8 @@ def topk_per_row(logits, row_starts, row_ends, k, out=None):
     k = V.check_positive_int("k", k)
     V.check_array("logits", logits, ndim=2, dtype="float32", shape_desc="[M, N]")
     m, n = logits.shape
-    V.check_array("row_starts", row_starts, dtype="int32", shape=(m,), shape_desc="[M]")
-    V.check_array("row_ends", row_ends, dtype="int32", shape=(m,), shape_desc="[M]")
+    V.check_index("row_starts", row_starts, shape=(m,), shape_desc="[M]")
+    V.check_index("row_ends", row_ends, shape=(m,), shape_desc="[M]")
     out = _check_out(xp, out, m, k)
     V.check_windows(xp, row_starts, row_ends, n, ks_name="row_starts", ke_name="row_ends")
     if _backend.use_kernels(xp):
@@ -378,14 +387,57 @@ class IndexerStats:
         return ("IndexerStats(" + ", ".join(f"{k}={v}" for k, v in vars(self).items()) + ")")
 
 
+def _check_indexer_call(xp, q_codes, weights, k, k_cache, metadata, buffer, skip_insert):
+    """Every argument of :func:`sparse_attn_indexer`, named as the caller passed it."""
+    from cpsparse.metadata import check_batch
+    check_batch(metadata, block_size=k_cache.block_size, num_blocks=k_cache.num_blocks,
+                xp=xp, owner="k_cache")
+    tokens = metadata.num_tokens
+    q_codes = V.check_codes("q_codes", q_codes, ndim=3, shape_desc="[T, H, D]")
+    _, heads, dim = q_codes.shape
+    if dim != k_cache.head_dim:
+        raise ValueError(f"Invalid shape of q_codes: expected D = {k_cache.head_dim} (the "
+                         f"k_cache's head_dim), got {tuple(q_codes.shape)}")
+    if q_codes.shape[0] < tokens:
+        raise ValueError(f"Invalid shape of q_codes: expected at least {tokens} rows "
+                         f"(the batch's tokens), got {q_codes.shape[0]}")
+    V.check_array("weights", weights, ndim=2, dtype="float32", shape=(None, heads),
+                  shape_desc="[T, H]")
+    if weights.shape[0] < tokens:
+        raise ValueError(f"Invalid shape of weights: expected at least {tokens} rows "
+                         f"(the batch's tokens), got {weights.shape[0]}")
+    V.check_array("topk_indices_buffer", buffer, ndim=2, dtype="int32",
+                  shape_desc="[max_num_tokens, topk]")
+    if buffer.shape[0] < tokens:
+        raise ValueError(f"Invalid shape of topk_indices_buffer: expected at least {tokens} "
+                         f"rows, got {buffer.shape[0]}")
+    if buffer.shape[1] != metadata.index_topk:
+        raise ValueError(f"Invalid shape of topk_indices_buffer: expected {metadata.index_topk}"
+                         f" columns (the metadata's index_topk), got {tuple(buffer.shape)}")
+    if not skip_insert:
+        V.check_array("k", k, ndim=2, dtype=V.FLOAT_DTYPES, shape=(None, dim),
+                      shape_desc="[T, D]", contiguous=False)
+        if k.shape[0] < tokens:
+            raise ValueError(f"Invalid shape of k: expected at least {tokens} rows (the "
+                             f"batch's tokens), got {k.shape[0]}")
+
+
 def _short_prefill_skip(name, forward_context, xp):
-    """DESIGN section 7 step 2: the MLA metadata under ``name`` makes top-k unused."""
+    """DESIGN section 7 step 2: the MLA metadata under ``name`` makes top-k unused.
+
+    A name that the forward context does not know is an error (a typo would
+    otherwise silently disable the skip).
+    """
     if not name:
         return False
     if forward_context is None:
         from cpsparse.metadata import get_forward_context
         forward_context = get_forward_context()
-    mla = forward_context.attn_metadata.get(name)
+    if name not in forward_context.attn_metadata:
+        raise ValueError(f"Invalid dense_mha_metadata_layer_name: {name!r} is not a layer of "
+                         f"the forward context (its layers: "
+                         f"{sorted(forward_context.attn_metadata)})")
+    mla = forward_context.attn_metadata[name]
     prefill = getattr(mla, "prefill", None)
     return (bool(getattr(prefill, "use_dense_mha", False))
             and getattr(mla, "num_decode_tokens", -1) == 0
@@ -454,36 +506,31 @@ def sparse_attn_indexer(q_codes, weights, k, k_cache, metadata, topk_indices_buf
     -------
     topk_indices_buffer
     """
-    xp = _backend.get_array_module(q_codes=q_codes, weights=weights, k=k,
-                                   topk_indices_buffer=topk_indices_buffer,
-                                   k_cache=k_cache.data)
     if not isinstance(k_cache, IndexerKCache):
         raise TypeError(f"Invalid type of k_cache: expected IndexerKCache, got "
                         f"{type(k_cache).__qualname__}")
-    tokens = metadata.num_tokens
-    V.check_array("q_codes", q_codes, ndim=3, dtype="uint8", shape_desc="[T, H, D]")
+    xp = _backend.get_array_module(q_codes=q_codes, weights=weights,
+                                   k=None if skip_k_cache_insert else k,
+                                   topk_indices_buffer=topk_indices_buffer,
+                                   k_cache=k_cache.data)
+    # Every check runs before the first write (key insert, buffer clear): a call that
+    # raises leaves the cache and the buffer as they were. Value checks read the
+    # metadata's host copies, so they cost no device sync.
+    _check_indexer_call(xp, q_codes, weights, k, k_cache, metadata, topk_indices_buffer,
+                        skip_k_cache_insert)
+    q_codes = V.check_codes("q_codes", q_codes)
     _, heads, dim = q_codes.shape
-    if q_codes.shape[0] < tokens:
-        raise ValueError(f"Invalid shape of q_codes: expected at least {tokens} rows "
-                         f"(the batch's tokens), got {q_codes.shape[0]}")
-    V.check_array("weights", weights, ndim=2, dtype="float32", shape=(None, heads),
-                  shape_desc="[T, H]")
-    V.check_array("topk_indices_buffer", topk_indices_buffer, ndim=2, dtype="int32",
-                  shape_desc="[max_num_tokens, topk]")
-    if topk_indices_buffer.shape[0] < tokens:
-        raise ValueError(f"Invalid shape of topk_indices_buffer: expected at least {tokens} "
-                         f"rows, got {topk_indices_buffer.shape[0]}")
+    skip = _short_prefill_skip(dense_mha_metadata_layer_name, forward_context, xp)
+    tokens = metadata.num_tokens
     topk = topk_indices_buffer.shape[1]
     stats = stats if stats is not None else IndexerStats()
     stats.calls += 1
 
     if not skip_k_cache_insert:
-        V.check_array("k", k, ndim=2, dtype=V.FLOAT_DTYPES, shape=(None, dim),
-                      shape_desc="[T, D]", contiguous=False)
         k_cache.insert(xp.ascontiguousarray(k[:tokens]), metadata.slot_mapping)
         stats.inserted_keys += tokens
 
-    if _short_prefill_skip(dense_mha_metadata_layer_name, forward_context, xp):
+    if skip:
         stats.skipped += 1
         return topk_indices_buffer
 

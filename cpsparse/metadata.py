@@ -26,7 +26,8 @@ from cpsparse.reference._xp import to_host
 
 __all__ = ["BatchMetadata", "DecodeMetadata", "PrefillChunk", "PrefillMetadata",
            "MLAMetadata", "MLAPrefillMetadata", "ForwardContext", "build_batch",
-           "decodes_first_order", "set_forward_context", "get_forward_context",
+           "decodes_first_order", "check_batch", "set_forward_context",
+           "get_forward_context",
            "DEFAULT_LOGITS_BUDGET_BYTES"]
 
 DEFAULT_LOGITS_BUDGET_BYTES = 512 << 20
@@ -114,6 +115,8 @@ class BatchMetadata:
     seq_lens: numpy.ndarray            # host int64 [R], context + query
     query_start_loc: numpy.ndarray     # host int64 [R + 1]
     block_table: Any                   # int32 [R, max_blocks]
+    block_table_host: numpy.ndarray    # host copy of block_table (value checks, no sync)
+    num_blocks: Optional[int]          # pages of the caches the ids were checked against
     slot_mapping: Any                  # int32 [T]
     positions: Any                     # int32 [T], position of each token in its request
     req_ids: Any                       # int32 [T], request of each token
@@ -124,6 +127,8 @@ class BatchMetadata:
     decode: Optional[DecodeMetadata]
     prefill: Optional[PrefillMetadata]
     mla: MLAMetadata
+    # cache sizes (num_blocks) every page id of the batch was checked against
+    checked_num_blocks: set = dataclasses.field(default_factory=set)
 
     @property
     def last_token_rows(self):
@@ -180,9 +185,25 @@ def _plan_chunks(prefill_reqs, query_lens, context_lens, token_starts, budget):
     return chunks
 
 
+def _lengths(name, values):
+    """Host int64 [R] of per-request lengths given as integers (no float, str or bool)."""
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"Invalid {name}: expected a sequence of ints, got {values!r}")
+    a = numpy.asarray(values.get() if hasattr(values, "get") else values)
+    if a.size == 0:
+        return numpy.zeros(0, numpy.int64)
+    if a.dtype.kind not in "iu":
+        flat = a.reshape(-1)
+        bad = next((v for v in flat if isinstance(v, (bool, numpy.bool_))
+                    or not isinstance(v, (int, numpy.integer))), flat[0])
+        raise TypeError(f"Invalid {name}: expected integers, got {bad!r} "
+                        f"({type(bad).__name__})")
+    return a.astype(numpy.int64).reshape(-1)
+
+
 def build_batch(query_lens, context_lens, block_table, *, next_n=1, block_size=64,
                 index_topk=2048, mla_decode_threshold=None,
-                logits_budget_bytes=DEFAULT_LOGITS_BUDGET_BYTES, xp=None):
+                logits_budget_bytes=DEFAULT_LOGITS_BUDGET_BYTES, num_blocks=None, xp=None):
     """Build the metadata of one forward pass from per-request lengths.
 
     Parameters
@@ -205,6 +226,11 @@ def build_batch(query_lens, context_lens, block_table, *, next_n=1, block_size=6
         The MLA side's own decode threshold (default ``next_n``).
     logits_budget_bytes : int
         Upper bound of one prefill chunk's float32 logits (default 512 MiB).
+    num_blocks : int, optional
+        Pages of the caches this batch will address: every page id a request uses
+        must be below it (checked here; the layer and ``sparse_attn_indexer`` check
+        again against their own caches). Page ids must always be >= 0 and keep
+        their slots within int32.
     xp : module, optional
         Backend of the arrays built here (default: that of ``block_table``).
 
@@ -228,10 +254,10 @@ def build_batch(query_lens, context_lens, block_table, *, next_n=1, block_size=6
     """
     if xp is None:
         xp = _backend.get_array_module(block_table=block_table)
-    V.check_array("block_table", block_table, ndim=2, dtype="int32", shape_desc="[R, max_blocks]")
+    V.check_index("block_table", block_table, ndim=2, shape_desc="[R, max_blocks]")
     table_h = to_host(block_table)
-    q = numpy.asarray(query_lens, dtype=numpy.int64).reshape(-1)
-    ctx = numpy.asarray(context_lens, dtype=numpy.int64).reshape(-1)
+    q = _lengths("query_lens", query_lens)
+    ctx = _lengths("context_lens", context_lens)
     if q.shape != ctx.shape or q.shape[0] != table_h.shape[0]:
         raise ValueError(f"Invalid lengths: expected query_lens, context_lens and block_table "
                          f"rows to agree on R, got {q.shape[0]}, {ctx.shape[0]} and "
@@ -251,8 +277,10 @@ def build_batch(query_lens, context_lens, block_table, *, next_n=1, block_size=6
         raise ValueError(f"Invalid batch order: request {r} is a decode (query_len "
                          f"{int(q[r])} <= next_n={next_n}) after the prefill request "
                          f"{num_decodes}; decodes must come first (see decodes_first_order)")
+    if num_blocks is not None:
+        num_blocks = V.check_nonnegative_int("num_blocks", num_blocks)
     seq = ctx + q
-    V.check_block_table(numpy, seq, table_h, block_size)
+    V.check_block_table(numpy, seq, table_h, block_size, num_blocks)
 
     cu = numpy.concatenate([[0], numpy.cumsum(q)]).astype(numpy.int64)
     total = int(cu[-1])
@@ -314,11 +342,40 @@ def build_batch(query_lens, context_lens, block_table, *, next_n=1, block_size=6
     return BatchMetadata(
         xp=xp, block_size=block_size, next_n=next_n, index_topk=index_topk,
         num_reqs=int(q.size), num_tokens=total, query_lens=q, context_lens=ctx, seq_lens=seq,
-        query_start_loc=cu, block_table=block_table, slot_mapping=dev(slots.astype(i32)),
+        query_start_loc=cu, block_table=block_table,
+        block_table_host=numpy.ascontiguousarray(table_h), num_blocks=num_blocks,
+        checked_num_blocks=set() if num_blocks is None else {num_blocks},
+        slot_mapping=dev(slots.astype(i32)),
         positions=dev(positions.astype(i32)), req_ids=dev(req_ids.astype(i32)),
         num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
         num_prefills=int(q.size) - num_decodes, num_prefill_tokens=total - num_decode_tokens,
         decode=decode, prefill=prefill, mla=mla)
+
+
+def check_batch(batch, *, block_size, index_topk=None, num_blocks=None, xp=None,
+                owner="the caches"):
+    """Refuse a batch built for other caches or another layer (before any state changes).
+
+    ``block_size`` and ``index_topk`` must be the ones the batch was built with,
+    and every page id a request uses must exist in caches of ``num_blocks`` pages
+    (read from the batch's host copy of its block table: no device sync).
+    """
+    if not isinstance(batch, BatchMetadata):
+        raise TypeError(f"Invalid metadata: expected BatchMetadata (see build_batch), got "
+                        f"{type(batch).__qualname__}")
+    if batch.block_size != block_size:
+        raise ValueError(f"Invalid metadata: built with block_size={batch.block_size}, but "
+                         f"{owner} have block_size={block_size}")
+    if index_topk is not None and batch.index_topk != index_topk:
+        raise ValueError(f"Invalid metadata: built with index_topk={batch.index_topk}, but "
+                         f"{owner} use index_topk={index_topk}")
+    if xp is not None and batch.xp is not xp:
+        raise TypeError(f"Invalid metadata: its arrays are {batch.xp.__name__} arrays, but "
+                        f"{owner} are {xp.__name__} arrays")
+    if num_blocks is not None and num_blocks not in batch.checked_num_blocks:
+        V.check_block_table(numpy, batch.seq_lens, batch.block_table_host, block_size,
+                            num_blocks, name="metadata.block_table", what=f" ({owner})")
+        batch.checked_num_blocks.add(num_blocks)       # once per batch, not per layer
 
 
 # ---- forward context ---------------------------------------------------------

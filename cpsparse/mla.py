@@ -31,7 +31,8 @@ from cpsparse.cache import IndexerKCache, MLAKVCache
 from cpsparse.fp8 import quantize_fp8
 from cpsparse.indexer import (IndexerStats, fold_weights, hadamard_rotate,
                               sparse_attn_indexer)
-from cpsparse.metadata import get_forward_context
+from cpsparse import _validation as V
+from cpsparse.metadata import ForwardContext, check_batch, get_forward_context
 from cpsparse.platform import current_platform
 from cpsparse.reference import attention as _attention_ref
 
@@ -293,7 +294,11 @@ class DeepseekV32MLA:
         self._dense_mha_metadata_layer_name = (
             self.layer_name if self.enable_short_prefill_scoring_skip else "")
         # The runtime flag (MTP reuse) starts False whatever the argument was.
-        self.skip_topk = False
+        self._skip_topk = False
+        # Rows [0, n) of the buffer this layer's indexer wrote in its last call (None:
+        # no call yet, or the last call skipped scoring or raised), and the rows declared
+        # reusable since (never more than were written).
+        self._rows_written = None
         self._reusable_topk_rows = None
 
         if weights is None:
@@ -348,43 +353,96 @@ class DeepseekV32MLA:
 
     # ---- MTP reuse -----------------------------------------------------------
 
+    @property
+    def skip_topk(self):
+        """The runtime top-k reuse flag (MTP draft steps 1+); set it with
+        :meth:`set_skip_topk` (assigning goes through the same checks)."""
+        return self._skip_topk
+
+    @skip_topk.setter
+    def skip_topk(self, skip):
+        self.set_skip_topk(skip)
+
     def set_skip_topk(self, skip):
         """Switch the runtime top-k reuse (MTP draft steps 1+) on or off.
 
-        Turning it on requires rows this layer's indexer wrote (step 0) and
-        that the caller compacted (:meth:`mark_reusable_topk_rows`);
-        reusing before step 0 ran is an error, not silent garbage.
+        Turning it on requires that this layer's indexer wrote the rows in its
+        last call (step 0 scored: not an early return, not a failed call);
+        reusing anything else is an error, not silent garbage. Turning it off
+        always works and ends the reuse: a new reuse needs a new scoring call.
         """
         skip = bool(skip)
         if skip and self._reusable_topk_rows is None:
             raise RuntimeError(f"{self.layer_name}: set_skip_topk(True) before a step 0 "
-                               "wrote top-k rows to reuse")
-        self.skip_topk = skip
+                               "wrote top-k rows to reuse (this layer's last indexer call "
+                               "did not score)")
+        self._skip_topk = skip
         if not skip:
             self._reusable_topk_rows = None
 
     def mark_reusable_topk_rows(self, num_rows):
-        """Declare buffer rows [0, num_rows) valid for reuse (after compaction)."""
+        """Declare buffer rows [0, num_rows) valid for reuse (after compaction).
+
+        Only rows this layer's indexer wrote in its last call can be declared:
+        ``0 < num_rows <=`` the rows it wrote, else RuntimeError.
+        """
+        if isinstance(num_rows, bool) or not isinstance(num_rows, (int, numpy.integer)):
+            raise TypeError(f"Invalid num_rows: expected an int, got {num_rows!r}")
+        if self._rows_written is None:
+            raise RuntimeError(f"{self.layer_name}: no top-k rows to reuse: this layer's "
+                               "last indexer call did not score (early return, failure, or "
+                               "no call yet)")
+        if not 0 < num_rows <= self._rows_written:
+            raise RuntimeError(f"{self.layer_name}: cannot reuse {num_rows} rows, the last "
+                               f"indexer call wrote {self._rows_written}")
         self._reusable_topk_rows = int(num_rows)
 
     # ---- forward -------------------------------------------------------------
 
-    def forward(self, hidden_states, *, forward_context=None):
-        """Attention output [T, hidden] for the batch of the forward context."""
-        ctx = get_forward_context() if forward_context is None else forward_context
-        batch = ctx.batch
-        xp, c = self.xp, self.config
+    def _check_forward(self, hidden_states, ctx):
+        """Everything forward() needs, before it writes a cache page or a buffer row."""
+        c = self.config
         if self.mla_cache is None:
             raise RuntimeError(f"{self.layer_name}: call allocate_kv_cache() before forward()")
+        if not isinstance(ctx, ForwardContext):
+            raise TypeError(f"Invalid forward_context: expected ForwardContext, got "
+                            f"{type(ctx).__qualname__}")
+        batch = ctx.batch
         _backend.get_array_module(hidden_states=hidden_states, cache=self.mla_cache.data)
+        for cache in (self.mla_cache, self.indexer_cache):
+            if cache is not None:
+                check_batch(batch, block_size=c.block_size, index_topk=c.index_topk,
+                            num_blocks=cache.num_blocks, xp=self.xp,
+                            owner=f"the caches of layer {self.layer_name!r}")
         tokens = batch.num_tokens
         if hidden_states.ndim != 2 or hidden_states.shape[0] < tokens or \
                 hidden_states.shape[1] != c.hidden_size:
             raise ValueError(f"Invalid shape of hidden_states: expected [>= {tokens}, "
                              f"{c.hidden_size}], got {tuple(hidden_states.shape)}")
+        V.check_array("hidden_states", hidden_states, dtype=V.FLOAT_DTYPES, contiguous=False)
         if self.topk_indices_buffer.shape[0] < tokens:
             raise ValueError(f"Invalid batch: {tokens} tokens but the top-k buffer has "
                              f"{self.topk_indices_buffer.shape[0]} rows")
+        name = self._dense_mha_metadata_layer_name
+        if name and name not in ctx.attn_metadata:
+            raise ValueError(f"Invalid forward_context: it has no MLA metadata for layer "
+                             f"{name!r} (its layers: {sorted(ctx.attn_metadata)})")
+        if self._skip_topk and tokens > self._reusable_topk_rows:
+            raise RuntimeError(f"{self.layer_name}: reusing top-k rows for {tokens} tokens, "
+                               f"but only {self._reusable_topk_rows} rows were kept")
+
+    def forward(self, hidden_states, *, forward_context=None):
+        """Attention output [T, hidden] for the batch of the forward context.
+
+        Every argument is checked first (the batch against this layer's caches:
+        block_size, index_topk, page ids in range): a call that raises has
+        written no cache page and no buffer row.
+        """
+        ctx = get_forward_context() if forward_context is None else forward_context
+        self._check_forward(hidden_states, ctx)
+        batch = ctx.batch
+        xp, c = self.xp, self.config
+        tokens = batch.num_tokens
         x = xp.asarray(hidden_states[:tokens], dtype=xp.float32)
         positions = batch.positions
         h, r, lora = c.num_heads, c.qk_rope_head_dim, c.kv_lora_rank
@@ -411,20 +469,19 @@ class DeepseekV32MLA:
         """Indexer (unless shared or reused), then the attention routes."""
         xp, c = self.xp, self.config
         tokens = batch.num_tokens
-        if self.indexer is not None and not self.skip_topk:
+        if self.indexer is not None and not self._skip_topk:
             q_codes, w, k = self.indexer.queries_keys(xp, x, q_c, batch.positions)
             skipped_before = self.indexer.stats.skipped
+            # Until this call has written its rows, nothing in the buffer is reusable.
+            self._rows_written = self._reusable_topk_rows = None
             sparse_attn_indexer(
                 q_codes, w, k, self.indexer_cache, batch, self.topk_indices_buffer,
                 use_pcp=self.use_pcp,
                 dense_mha_metadata_layer_name=self._dense_mha_metadata_layer_name,
                 forward_context=ctx, stats=self.indexer.stats)
             # Rows are reusable only if this call wrote them (no early return).
-            wrote = self.indexer.stats.skipped == skipped_before
-            self._reusable_topk_rows = tokens if wrote else None
-        elif self.skip_topk and tokens > self._reusable_topk_rows:
-            raise RuntimeError(f"{self.layer_name}: reusing top-k rows for {tokens} tokens, "
-                               f"but only {self._reusable_topk_rows} rows were kept")
+            if self.indexer.stats.skipped == skipped_before:
+                self._rows_written = self._reusable_topk_rows = tokens
 
         mla = ctx.attn_metadata.get(self.layer_name, batch.mla)
         nd = mla.num_decode_tokens

@@ -3,6 +3,11 @@
 Fails on compile errors and on register spills / stack frames (local memory)
 in any kernel, as reported by ptxas (-Xptxas -v). Runs in CPU CI: it is what
 catches kernel breakage before a GPU ever sees it.
+
+Each module also compiles for every other arch it claims (its registered
+compute capabilities among sm_80, sm_90a, sm_100, sm_120; a successful compile
+is enough there), and the archs it does not claim really fail to compile: that
+is why the loader refuses them before calling NVRTC (wgmma on sm_100).
 """
 
 import re
@@ -16,6 +21,33 @@ nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs the [test] extr
 
 # CuPy adds -ftz=true to every compile; compile the same way here.
 CUPY_DEFAULTS = ("-ftz=true",)
+
+# Compute capabilities whose arch the test compiles for (Ampere, Hopper,
+# Blackwell datacenter, Blackwell consumer), as the loader names them.
+CAPABILITIES = [(8, 0), (9, 0), (10, 0), (12, 0)]
+ARCHS = {cc: raw_kernels.arch_for(cc) for cc in CAPABILITIES}   # sm_80 sm_90a sm_100 sm_120
+
+
+def _supported_archs():
+    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    return set(archs)
+
+
+NVRTC_VERSION = "{}.{}".format(*nvrtc.nvrtcVersion()[1:])
+NVRTC_ARCHS = _supported_archs()          # e.g. {..., 80, 89, 90, 100, 101, 103, 120, 121}
+
+
+def skip_unless_nvrtc_knows(cc):
+    if cc[0] * 10 + cc[1] not in NVRTC_ARCHS:
+        pytest.skip(f"NVRTC {NVRTC_VERSION} from pip cannot compile {ARCHS[cc]} "
+                    f"(supported: {sorted(NVRTC_ARCHS)})")
+
+
+def _cases(claimed):
+    return [pytest.param(name, cc, id=f"{name}-{ARCHS[cc]}")
+            for name in sorted(raw_kernels.MODULES) for cc in CAPABILITIES
+            if (cc in raw_kernels.MODULES[name].capabilities) == claimed]
 
 
 def _check(result, what):
@@ -80,9 +112,44 @@ def test_module_compiles_without_spills(name):
                           f"(registers, spill stores, spill loads, stack): {spilling}\n{log}")
 
 
+@pytest.mark.parametrize("name,cc", [c for c in _cases(True) if c.values[1] != (9, 0)])
+def test_module_compiles_for_every_claimed_arch(name, cc):
+    """sm_90a is test_module_compiles_without_spills; here a compile is enough."""
+    skip_unless_nvrtc_knows(cc)
+    ok, log = compile_module(name, ARCHS[cc])
+    assert ok, f"NVRTC failed on module {name} for {ARCHS[cc]}, which it claims:\n{log}"
+
+
+@pytest.mark.parametrize("name,cc", _cases(False))
+def test_why_we_refuse_unclaimed_archs_do_not_compile(name, cc):
+    """Why the loader refuses: an arch a module does not claim fails inside NVRTC.
+
+    If one of these starts to compile, widen the module's capabilities in
+    cpsparse/raw_kernels/__init__.py (and check it on that GPU).
+    """
+    skip_unless_nvrtc_knows(cc)
+    ok, log = compile_module(name, ARCHS[cc])
+    assert not ok, (f"module {name} compiles for {ARCHS[cc]} but its capabilities "
+                    f"({raw_kernels.MODULES[name].capabilities}) refuse it")
+    # ... and fails for the arch, not for an unrelated error in the source.
+    assert re.search(r"\.target|architecture", log), log
+
+
+@pytest.mark.parametrize("name", ["indexer", "attention"])
+def test_why_we_refuse_wgmma_modules_on_sm_100(name):
+    """The wgmma modules are 9.0-only: NVRTC rejects their PTX for Blackwell."""
+    assert (10, 0) not in raw_kernels.MODULES[name].capabilities
+    assert raw_kernels.MODULES[name].capabilities == raw_kernels.exactly((9, 0))
+    skip_unless_nvrtc_knows((10, 0))
+    ok, log = compile_module(name, "sm_100")
+    assert not ok, f"module {name} now compiles for sm_100:\n{log}"
+    assert "wgmma" in log and "sm_100" in log, log
+
+
 def test_compile_check_catches_errors(monkeypatch):
     """The check itself fails on broken source (so a green run means something)."""
-    monkeypatch.setitem(raw_kernels.MODULES, "_broken", (("common.cuh",), ()))
+    monkeypatch.setitem(raw_kernels.MODULES, "_broken", raw_kernels.ModuleSpec(
+        ("common.cuh",), (), raw_kernels.at_least(8, 0)))
     monkeypatch.setattr(raw_kernels, "module_source",
                         lambda name: 'extern "C" __global__ void k() { undeclared(); }')
     ok, log = compile_module("_broken")

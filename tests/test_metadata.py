@@ -487,4 +487,4 @@ def test_build_batch_validation():
     with pytest.raises(ValueError, match="mla_decode_threshold"):
         build([1, 2], [0, 0], table, mla_decode_threshold=0)
     with pytest.raises((TypeError, ValueError), match="block_table"):
-        build([1, 2], [0, 0], table.astype(np.int64))
+        build([1, 2], [0, 0], table.astype(np.float32))

@@ -8,6 +8,7 @@ top-k rows are then held to the set test of DESIGN section 6.
 """
 
 import dataclasses
+import re
 
 import ml_dtypes
 import numpy as np
@@ -284,11 +285,83 @@ def test_early_return_off_for_empty_name():
     assert_not_fired(p, buf, stats)
 
 
-def test_early_return_off_for_name_not_in_forward_context():
+def test_name_not_in_forward_context_is_refused_not_a_silently_disabled_skip():
     p = short_prefill()
-    buf, _, stats = p.run(dense_mha_metadata_layer_name="layers.7.attn",
-                          forward_context=ForwardContext.for_layers(p.meta, [NAME]))
-    assert_not_fired(p, buf, stats)
+    cache = p.cache_with_context()
+    before = cache.data.copy()
+    buf = np.full((p.meta.num_tokens, K), SENTINEL, np.int32)
+    with pytest.raises(ValueError, match="Invalid dense_mha_metadata_layer_name: "
+                                         "'layers.7.attn' is not a layer"):
+        p.run(cache=cache, buf=buf, dense_mha_metadata_layer_name="layers.7.attn",
+              forward_context=ForwardContext.for_layers(p.meta, [NAME]))
+    assert np.array_equal(cache.data, before) and (buf == SENTINEL).all()
+
+
+def _bad_indexer_calls(p):
+    """(what, kwargs overriding a valid call, error, message) for every argument."""
+    t = p.meta.num_tokens
+    other_bs = build_batch(p.q_lens, p.ctx, np.repeat(p.table, 2, axis=1), block_size=BS // 2,
+                           index_topk=K)
+    bad_pages = p.table.copy()
+    bad_pages[-1, 0] = p.num_blocks + 3
+    return [
+        ("q_codes dtype", dict(q_codes=p.q_codes.astype(np.float32)), TypeError,
+         "Invalid dtype of q_codes"),
+        ("q_codes rows", dict(q_codes=p.q_codes[:t - 1]), ValueError,
+         "Invalid shape of q_codes: expected at least"),
+        ("q_codes head_dim", dict(q_codes=p.q_codes[..., :64].copy()), ValueError,
+         "Invalid shape of q_codes: expected D = 128"),
+        ("weights heads", dict(weights=p.weights[:, :4]), ValueError, "Invalid shape of weights"),
+        ("weights rows", dict(weights=p.weights[:t - 1]), ValueError,
+         "Invalid shape of weights: expected at least"),
+        ("weights dtype", dict(weights=p.weights.astype(np.float64)), TypeError,
+         "Invalid dtype of weights"),
+        ("k rows", dict(k=p.new_keys[:t - 1]), ValueError, "Invalid shape of k: expected at least"),
+        ("k dim", dict(k=p.new_keys[:, :64]), ValueError, "Invalid shape of k"),
+        ("k dtype", dict(k=p.new_keys.astype(np.int32)), TypeError, "Invalid dtype of k"),
+        ("k_cache type", dict(k_cache=object()), TypeError, "Invalid type of k_cache"),
+        ("buffer rows", dict(topk_indices_buffer=np.full((t - 1, K), SENTINEL, np.int32)),
+         ValueError, "Invalid shape of topk_indices_buffer: expected at least"),
+        ("buffer topk", dict(topk_indices_buffer=np.full((t, K // 2), SENTINEL, np.int32)),
+         ValueError, "expected 64 columns (the metadata's index_topk)"),
+        ("buffer dtype", dict(topk_indices_buffer=np.full((t, K), SENTINEL, np.int64)),
+         TypeError, "Invalid dtype of topk_indices_buffer"),
+        ("metadata block_size", dict(metadata=other_bs), ValueError,
+         "built with block_size=8, but k_cache have block_size=16"),
+        ("metadata index_topk", dict(metadata=p.rebuild(index_topk=2 * K)), ValueError,
+         "Invalid shape of topk_indices_buffer: expected 128 columns"),
+        ("metadata page ids", dict(metadata=build_batch(p.q_lens, p.ctx, bad_pages,
+                                                        block_size=BS, index_topk=K)),
+         ValueError, f"uses page id {p.num_blocks + 3}"),
+        ("metadata type", dict(metadata=dict(num_tokens=t)), TypeError,
+         "Invalid metadata: expected BatchMetadata"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(17))
+def test_a_refused_call_changes_nothing(case):
+    """DESIGN section 11: every argument is checked before the first write."""
+    p = Problem([1, 1, 30, 70], [40, 20, 0, 10])          # decodes and prefills, many keys
+    what, override, exc, message = _bad_indexer_calls(p)[case]
+    cache = p.cache_with_context()
+    before = cache.data.copy()
+    args = dict(q_codes=p.q_codes, weights=p.weights, k=p.new_keys, k_cache=cache,
+                metadata=p.meta,
+                topk_indices_buffer=np.full((p.meta.num_tokens, K), SENTINEL, np.int32))
+    args.update(override)
+    buffers = [args["topk_indices_buffer"]]
+    with pytest.raises(exc, match=re.escape(message)):
+        sparse_attn_indexer(args.pop("q_codes"), args.pop("weights"), args.pop("k"),
+                            args.pop("k_cache"), args.pop("metadata"),
+                            args.pop("topk_indices_buffer"),
+                            forward_context=ForwardContext.for_layers(p.meta, [NAME]),
+                            dense_mha_metadata_layer_name=NAME)
+    assert np.array_equal(cache.data, before), f"{what}: the cache changed"
+    assert all((b == SENTINEL).all() for b in buffers), f"{what}: the buffer changed"
+
+
+def test_every_bad_argument_case_is_listed():
+    assert len(_bad_indexer_calls(Problem([1, 30], [5, 0]))) == 17
 
 
 def test_early_return_off_when_mla_says_sparse():

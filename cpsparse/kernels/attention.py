@@ -23,7 +23,7 @@ import os
 import numpy
 
 from cpsparse import raw_kernels
-from cpsparse.kernels import blocks_for, f32, i32, i64
+from cpsparse.kernels import blocks_for, f32, i32, i64, index_i32
 
 D_QK = 576
 D_V_MAX = 512
@@ -110,6 +110,7 @@ def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_sc
         lse.fill(-numpy.inf)
         return out, lse
     qq, q_half = _q_operand(cp, q)
+    num_slots = kv.shape[0]                   # every slot outside [0, num_slots) is masked
     if kv.shape[0] == 0:                      # every index is -1: never read, but keep
         kv = cp.zeros((1,) + kv.shape[1:], dtype=kv.dtype)   # the pointer valid
     kv = _aligned(cp, kv)
@@ -118,7 +119,7 @@ def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_sc
     groups = -(-heads // HEADS_PER_CTA)
     fn = _attention_kernel(cp, fp8)
     fn((tokens * groups,), (THREADS,),
-       (qq, i32(q_half), kv, _NULL if indices is None else indices, i32(topk),
+       (qq, i32(q_half), kv, _NULL if indices is None else indices, i32(topk), i32(num_slots),
         _NULL if row_start is None else row_start, _NULL if row_len is None else row_len,
         out, lse, i32(heads), i32(d_v), f32(scale_log2)),
        shared_mem=SMEM_BYTES)
@@ -139,7 +140,7 @@ def sparse_mla_attention(cp, q, rows, indices, sm_scale, d_v, fp8):
         kv = rows
     else:
         kv = to_bf16(cp, rows)
-    return _launch(cp, q, kv, fp8, indices=indices, sm_scale=sm_scale, d_v=d_v)
+    return _launch(cp, q, kv, fp8, indices=index_i32(cp, indices), sm_scale=sm_scale, d_v=d_v)
 
 
 def causal_rows(cu_q, cu_k):
@@ -173,6 +174,7 @@ def local_to_global_slots(cp, indices, req_ids, block_table, block_size):
     if n:
         fn = raw_kernels.get_function("attention", "cps_local_to_global_slots")
         fn((min(blocks_for(n, THREADS), 132 * 16),), (THREADS,),
-           (indices, req_ids, block_table, i32(block_table.shape[1]), i32(indices.shape[1]),
+           (index_i32(cp, indices), index_i32(cp, req_ids), index_i32(cp, block_table),
+            i32(block_table.shape[0]), i32(block_table.shape[1]), i32(indices.shape[1]),
             i64(n), i32(block_size), out))
     return out

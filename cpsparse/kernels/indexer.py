@@ -17,7 +17,7 @@ import os
 import numpy
 
 from cpsparse import raw_kernels
-from cpsparse.kernels import i32
+from cpsparse.kernels import i32, index_i32
 from cpsparse.reference import indexer as _ref
 
 D = 128                  # head_dim the kernels are written for
@@ -56,7 +56,7 @@ def _pick_path(cp, path):
         dev = cp.cuda.runtime.getDevice()
         ok = _HAS_WGMMA.get(dev)
         if ok is None:
-            cc = tuple(int(c) for c in cp.cuda.Device(dev).compute_capability)
+            cc = raw_kernels.parse_capability(cp.cuda.Device(dev).compute_capability)
             ok = _HAS_WGMMA[dev] = cc == (9, 0)
         if not ok:
             path = "mma"
@@ -98,6 +98,7 @@ def mqa_logits(cp, q_codes, k_codes, k_scales, weights, ks, ke, out=None, path=N
     if dim != D or hp > 128 or not _aligned(q_codes, k_codes):
         out[...] = _ref.mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke)
         return out
+    ks, ke = index_i32(cp, ks), index_i32(cp, ke)
     rows = 128 // hp
     nblocks = -(-m // rows)
     smem = smem_bytes(128)
@@ -190,18 +191,22 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
         pieces = -(-tiles_w // pt)
     smem = smem_bytes(nch * nc, stages)
     fn = _kernel(cp, f"cps_paged_mqa_logits_{path}_{variant}_s{stages}", smem)
+    context_lens = index_i32(cp, context_lens)
+    block_table = index_i32(cp, block_table)
     lens_2d = i32(context_lens.ndim == 2)
     bs_shift = i32(int(cache.block_size).bit_length() - 1)
     bt_cols = i32(block_table.shape[1])
+    num_blocks = i32(cache.num_blocks)        # page ids outside [0, num_blocks) are masked
     consts = (i32(width), i32(next_n), i32(heads), i32(hp), i32(nch), bs_shift, i32(pt))
     if batch <= 65535:
         fn((pieces, batch), (THREADS,), (q_codes, cache.data, weights, context_lens, lens_2d,
-                                         block_table, bt_cols, out) + consts, shared_mem=smem)
+                                         block_table, bt_cols, num_blocks, out) + consts,
+           shared_mem=smem)
         return out
     for b0 in range(0, batch, 65535):
         b1 = min(batch, b0 + 65535)
         fn((pieces, b1 - b0), (THREADS,),
            (q_codes[b0:b1], cache.data, weights[b0 * next_n:b1 * next_n],
-            context_lens[b0:b1], lens_2d, block_table[b0:b1], bt_cols,
+            context_lens[b0:b1], lens_2d, block_table[b0:b1], bt_cols, num_blocks,
             out[b0 * next_n:b1 * next_n]) + consts, shared_mem=smem)
     return out

@@ -3,7 +3,7 @@
 import numpy
 
 from cpsparse import raw_kernels
-from cpsparse.kernels import WARPS_PER_BLOCK, blocks_for, f32, i32, i64
+from cpsparse.kernels import WARPS_PER_BLOCK, blocks_for, f32, i32, i64, index_i32
 
 MAX_GROUP = 32 * 4 * 8          # CPS_MAX_VEC in quant.cu
 
@@ -33,7 +33,8 @@ def indexer_insert(cp, cache, k, slot_mapping, eps):
     k = cp.ascontiguousarray(k, dtype=cp.float32)
     fn = raw_kernels.get_function("quant", "cps_indexer_k_quant_and_cache")
     fn((blocks_for(n, WARPS_PER_BLOCK),), (32 * WARPS_PER_BLOCK,),
-       (k, slot_mapping, cache.data, i64(n), i32(cache.head_dim), i32(cache.block_size),
+       (k, index_i32(cp, slot_mapping), cache.data, i64(cache.num_slots), i64(n),
+        i32(cache.head_dim), i32(cache.block_size),
         f32(numpy.float32(eps)), i32(cache.scale_fmt == "ue8m0")))
 
 
@@ -47,6 +48,7 @@ def indexer_gather(cp, cache, block_table, cu_seq_lens, cu_host):
     req_of_row = cp.asarray(numpy.repeat(numpy.arange(lens.size, dtype=numpy.int32), lens))
     fn = raw_kernels.get_function("quant", "cps_indexer_k_gather")
     fn((blocks_for(n, WARPS_PER_BLOCK),), (32 * WARPS_PER_BLOCK,),
-       (cache.data, block_table, i32(block_table.shape[1]), cu_seq_lens, req_of_row,
+       (cache.data, i32(cache.num_blocks), index_i32(cp, block_table),
+        i32(block_table.shape[1]), index_i32(cp, cu_seq_lens), req_of_row,
         codes, scales, i64(n), i32(cache.head_dim), i32(cache.block_size)))
     return codes, scales

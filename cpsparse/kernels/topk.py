@@ -15,7 +15,7 @@ SM count, never on values. ``benchmarks/bench_topk.py`` times every variant.
 import numpy
 
 from cpsparse import raw_kernels
-from cpsparse.kernels import i32, i64
+from cpsparse.kernels import i32, i64, index_i32
 
 # Compiled configurations (topk.cu's TK_KERNEL lines): name -> (CTAs a row, threads).
 VARIANTS = {"c1": (1, 512), "c1_t256": (1, 256), "c2": (2, 512), "c4": (4, 512),
@@ -67,6 +67,8 @@ def _launch(cp, logits, row_starts, row_ends, context_lens, next_n, mode, k, out
         if cluster == 1 and width <= SHORT_WIDTH:
             variant = "c1_t256"          # short rows: more, smaller CTAs an SM
     cluster, threads = VARIANTS[variant]
+    row_starts, row_ends = index_i32(cp, row_starts), index_i32(cp, row_ends)
+    context_lens = index_i32(cp, context_lens)
     fn = raw_kernels.get_function("topk", f"cps_topk_{variant}")
     fn((rows * cluster,), (threads,),
        (logits, i64(width), row_starts, row_ends, context_lens, i32(next_n), i32(mode),

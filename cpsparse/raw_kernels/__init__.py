@@ -6,10 +6,28 @@ concatenates them into one source string (CuPy's disk cache keys on the
 source string, not on included files, so nothing is ``#include``-d) and
 compiles it once per (device, module, options) with ``cupy.RawModule``.
 
+Each module declares the compute capabilities it runs on (:class:`Capabilities`,
+see the registry at the bottom of this file):
+
+=========  ==========================  =========================================
+module     compute capability          why
+=========  ==========================  =========================================
+quant      8.0 and newer               plain CUDA
+topk       9.0 and newer               thread-block clusters, distributed smem
+indexer    9.0 only (sm_90a)           Hopper wgmma
+attention  9.0 only (sm_90a)           Hopper wgmma
+=========  ==========================  =========================================
+
+* :func:`get_function` / :func:`get_module` raise :class:`KernelUnavailable`
+  *before* compiling on a device outside the module's capabilities (NVRTC would
+  fail there anyway, e.g. ``wgmma`` on sm_100).
 * :func:`get_function` is thread-safe: concurrent first calls compile once.
-* :func:`precompile` warms every module on the current device.
-* :func:`module_source` / :data:`MODULES` are what the CPU-side NVRTC compile
-  test uses, so CI catches compile errors and spills without a GPU.
+* :func:`precompile` warms every module the current device runs.
+* :func:`supported_modules` / :func:`supported_ops` say what runs on a given
+  compute capability (no GPU needed).
+* :func:`module_source` / :data:`MODULES` / :func:`compile_options` /
+  :func:`arch_for` are what the CPU-side NVRTC compile test uses, so CI catches
+  compile errors and spills without a GPU.
 
 CuPy's cache directory (``CUPY_CACHE_DIR``) is honoured: compiled cubins are
 reused across processes.
@@ -17,41 +35,152 @@ reused across processes.
 
 import pathlib
 import threading
+from typing import NamedTuple
 
 from cpsparse import _backend
 
-__all__ = ["MODULES", "module_source", "compile_options", "get_function", "precompile",
-           "require_device", "MIN_COMPUTE_CAPABILITY", "KernelUnavailable"]
+__all__ = ["MODULES", "ModuleSpec", "Capabilities", "at_least", "exactly",
+           "module_source", "compile_options", "arch_for", "get_module", "get_function",
+           "precompile", "supported_modules", "supported_ops", "parse_capability",
+           "require_device",
+           "MIN_COMPUTE_CAPABILITY", "KernelUnavailable"]
 
 SOURCE_DIR = pathlib.Path(__file__).resolve().parent
 
-# Compute capability the kernels are written for: FP8 mma.sync needs sm_89+
-# and the Hopper-only paths (wgmma) sm_90a.
-MIN_COMPUTE_CAPABILITY = (9, 0)
-
-# module name -> (source files in order, extra NVRTC options)
-MODULES = {}
-
 BASE_OPTIONS = ("-std=c++17",)
+
+ALTERNATIVES = ("pass NumPy arrays to run the float64 reference backend, or call "
+                "cpsparse.set_kernels_enabled(False) to run the reference on CuPy arrays")
 
 
 class KernelUnavailable(RuntimeError):
-    """The GPU (or CuPy) cannot run cpsparse's kernels."""
+    """The GPU (or CuPy) cannot run cpsparse's kernels (or this kernel module)."""
 
 
-def register_module(name, files, options=()):
-    """Declare a kernel module: its source files (``.cuh`` first) and options."""
+def parse_capability(cc):
+    """``(major, minor)`` from ``(9, 0)``, ``"9.0"``, ``"90"`` / ``"100"`` (CuPy's form) or ``90``.
+
+    Examples
+    --------
+    >>> from cpsparse.raw_kernels import parse_capability
+    >>> parse_capability("100"), parse_capability("9.0"), parse_capability((12, 0))
+    ((10, 0), (9, 0), (12, 0))
+    """
+    if isinstance(cc, str):
+        s = cc.strip()
+        if "." in s:
+            major, minor = s.split(".")
+            return int(major), int(minor)
+        if not s.isdigit() or len(s) < 2:
+            raise ValueError(f"Invalid compute capability: {cc!r}")
+        return int(s[:-1]), int(s[-1])     # CuPy: f"{major}{minor}", minor < 10
+    if isinstance(cc, int) and not isinstance(cc, bool):
+        return parse_capability(str(cc))
+    major, minor = cc
+    return int(major), int(minor)
+
+
+def _fmt(cc):
+    return f"{cc[0]}.{cc[1]}"
+
+
+class Capabilities:
+    """The compute capabilities a kernel module runs on.
+
+    The rule is one of two kinds (build them with :func:`at_least` / :func:`exactly`):
+
+    * ``at_least(8, 0)``: compute capability 8.0 and every newer one (portable
+      CUDA, compiled for ``sm_XY`` of the device);
+    * ``exactly((9, 0))``: only the listed capabilities (arch-specific code such
+      as Hopper ``wgmma``, compiled for ``sm_90a``, runs on no other chip).
+
+    ``cc in caps`` accepts anything :func:`parse_capability` does.
+    """
+
+    __slots__ = ("minimum", "only")
+
+    def __init__(self, minimum=None, only=()):
+        if (minimum is None) == (not only):
+            raise ValueError("Capabilities: give exactly one of minimum= or only=")
+        self.minimum = None if minimum is None else parse_capability(minimum)
+        self.only = frozenset(parse_capability(c) for c in only)
+
+    def __contains__(self, cc):
+        cc = parse_capability(cc)
+        if self.minimum is not None:
+            return cc >= self.minimum
+        return cc in self.only
+
+    @property
+    def lowest(self):
+        """The lowest compute capability in the set."""
+        return self.minimum if self.minimum is not None else min(self.only)
+
+    def __str__(self):
+        if self.minimum is not None:
+            return f"{_fmt(self.minimum)} and newer"
+        return " or ".join(_fmt(c) for c in sorted(self.only)) + " only"
+
+    def __repr__(self):
+        if self.minimum is not None:
+            return f"at_least{self.minimum}"
+        return "exactly(" + ", ".join(repr(c) for c in sorted(self.only)) + ")"
+
+    def __eq__(self, other):
+        return (isinstance(other, Capabilities) and self.minimum == other.minimum
+                and self.only == other.only)
+
+    def __hash__(self):
+        return hash((self.minimum, self.only))
+
+
+def at_least(major, minor=0):
+    """Compute capability ``major.minor`` and every newer one."""
+    return Capabilities(minimum=(major, minor))
+
+
+def exactly(*capabilities):
+    """Only the listed compute capabilities, e.g. ``exactly((9, 0))``."""
+    return Capabilities(only=capabilities)
+
+
+class ModuleSpec(NamedTuple):
+    """One registered kernel module (the values of :data:`MODULES`)."""
+    files: tuple            # source files in order, .cuh first
+    options: tuple          # extra NVRTC options
+    capabilities: Capabilities
+    ops: tuple = ()         # public cpsparse ops whose CuPy path runs this module
+    needs: str = ""         # why the capability rule (for messages and docs)
+
+
+# module name -> ModuleSpec, in registration order
+MODULES = {}
+
+
+def register_module(name, files, options=(), *, capabilities, ops=(), needs=""):
+    """Declare a kernel module: its source files (``.cuh`` first), options and the
+    compute capabilities it runs on (a :class:`Capabilities`, required)."""
+    if not isinstance(capabilities, Capabilities):
+        raise TypeError(f"capabilities of module {name} must be at_least(...) or "
+                        f"exactly(...), got {capabilities!r}")
     for f in files:
         if not (SOURCE_DIR / f).is_file():
             raise FileNotFoundError(f"kernel source {f} of module {name} is missing")
-    MODULES[name] = (tuple(files), tuple(options))
+    MODULES[name] = ModuleSpec(tuple(files), tuple(options), capabilities, tuple(ops), needs)
+
+
+def _spec(name):
+    try:
+        return MODULES[name]
+    except KeyError:
+        raise KeyError(f"unknown kernel module {name!r}; registered: "
+                       f"{', '.join(MODULES)}") from None
 
 
 def module_source(name):
     """The single source string of a module (its files concatenated in order)."""
-    files, _ = MODULES[name]
     parts = []
-    for f in files:
+    for f in _spec(name).files:
         parts.append(f"// ---- {f} ----\n")
         parts.append((SOURCE_DIR / f).read_text())
         parts.append("\n")
@@ -60,49 +189,137 @@ def module_source(name):
 
 def compile_options(name, arch="sm_90a"):
     """NVRTC options of a module for ``arch`` (what CuPy and the CPU test pass)."""
-    _, extra = MODULES[name]
-    return BASE_OPTIONS + extra + (f"-arch={arch}",)
+    return BASE_OPTIONS + _spec(name).options + (f"-arch={arch}",)
+
+
+def arch_for(capability):
+    """The ``-arch`` the loader compiles for on a device of ``capability``.
+
+    ``sm_90a`` on 9.0 ('a' targets enable wgmma/setmaxnreg and only run on exactly
+    that chip), ``sm_XY`` otherwise.
+    """
+    cc = parse_capability(capability)
+    return f"sm_{cc[0]}{cc[1]}a" if cc == (9, 0) else f"sm_{cc[0]}{cc[1]}"
+
+
+_arch_for = arch_for          # former private name
+
+
+def supported_modules(capability):
+    """Names of the kernel modules that run on ``capability`` (registration order).
+
+    Examples
+    --------
+    >>> from cpsparse.raw_kernels import supported_modules
+    >>> supported_modules((9, 0))
+    ['quant', 'indexer', 'topk', 'attention']
+    >>> supported_modules("10.0")
+    ['quant', 'topk']
+    """
+    cc = parse_capability(capability)
+    return [name for name, spec in MODULES.items() if cc in spec.capabilities]
+
+
+def supported_ops(capability):
+    """The public ops whose CuPy inputs run GPU kernels on ``capability``.
+
+    On other capabilities those ops raise :class:`KernelUnavailable` for CuPy
+    inputs (unless ``cpsparse.set_kernels_enabled(False)``).
+
+    Examples
+    --------
+    >>> from cpsparse.raw_kernels import supported_ops
+    >>> supported_ops((8, 0))
+    ['quantize_fp8', 'IndexerKCache.insert', 'IndexerKCache.gather']
+    """
+    return [op for name in supported_modules(capability) for op in MODULES[name].ops]
 
 
 _LOCK = threading.Lock()
 _COMPILED = {}
 
 
-def require_device(cp):
-    """Raise KernelUnavailable unless the current device can run the kernels."""
+def _current_device(cp):
+    """(device id, (major, minor)) of CuPy's current device."""
     try:
         dev = cp.cuda.Device()
-        major, minor = (int(c) for c in dev.compute_capability)
+        return dev.id, parse_capability(dev.compute_capability)
     except Exception as exc:  # noqa: BLE001 - no driver, no device
         raise KernelUnavailable(f"no usable CUDA device: {exc}") from exc
-    if (major, minor) < MIN_COMPUTE_CAPABILITY:
+
+
+def _device_label(cp, device):
+    """' (NVIDIA B200)' when CuPy can tell the device's name, else ''."""
+    try:
+        name = cp.cuda.runtime.getDeviceProperties(device)["name"]
+        if isinstance(name, bytes):
+            name = name.decode(errors="replace")
+        name = str(name).strip("\x00 ")
+        return f" ({name})" if name else ""
+    except Exception:  # noqa: BLE001 - the name is only for the message
+        return ""
+
+
+def _refusal(cp, device, cc, name):
+    spec = _spec(name)
+    ops = f" (ops: {', '.join(spec.ops)})" if spec.ops else ""
+    needs = f" [{spec.needs}]" if spec.needs else ""
+    runs = ", ".join(supported_modules(cc)) or "none"
+    return KernelUnavailable(
+        f"cpsparse kernel module {name!r}{ops} does not run on this GPU: device {device}"
+        f"{_device_label(cp, device)} has compute capability {_fmt(cc)}, and {name!r} "
+        f"supports compute capability {spec.capabilities}{needs}. Kernel modules that "
+        f"run on {_fmt(cc)}: {runs}. Alternatives: {ALTERNATIVES}.")
+
+
+def require_device(cp, module=None):
+    """``(device id, (major, minor))`` of the current device, or KernelUnavailable.
+
+    With ``module``, the device must be within that module's capabilities;
+    without, it must run at least one module (compute capability >=
+    :data:`MIN_COMPUTE_CAPABILITY`). Nothing is compiled.
+    """
+    device, cc = _current_device(cp)
+    if module is not None:
+        if cc not in _spec(module).capabilities:
+            raise _refusal(cp, device, cc, module)
+    elif cc < MIN_COMPUTE_CAPABILITY:
         raise KernelUnavailable(
-            f"cpsparse kernels need compute capability >= "
-            f"{MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]} (Hopper), got "
-            f"{major}.{minor}; use NumPy arrays for the reference backend")
-    return dev.id, (major, minor)
+            f"cpsparse kernels need compute capability >= {_fmt(MIN_COMPUTE_CAPABILITY)}, "
+            f"got {_fmt(cc)} on device {device}{_device_label(cp, device)}; {ALTERNATIVES}")
+    return device, cc
 
 
-def _arch_for(cc):
-    # 'a' targets enable wgmma/setmaxnreg; they only run on exactly that chip.
-    return f"sm_{cc[0]}{cc[1]}a" if cc == (9, 0) else f"sm_{cc[0]}{cc[1]}"
+def _cupy():
+    cp = _backend.cupy_module()
+    if cp is None:
+        raise KernelUnavailable("CuPy is not installed; pass NumPy arrays to run the "
+                                "float64 reference backend")
+    return cp
 
 
 def get_module(name):
-    """The compiled ``cupy.RawModule`` of ``name`` on the current device."""
-    cp = _backend.cupy_module()
-    if cp is None:
-        raise KernelUnavailable("CuPy is not installed")
-    device, cc = require_device(cp)
-    key = (device, name)
-    mod = _COMPILED.get(key)
+    """The compiled ``cupy.RawModule`` of ``name`` on the current device.
+
+    Raises KernelUnavailable, without compiling, when the device's compute
+    capability is outside the module's (see :func:`supported_modules`).
+    """
+    cp = _cupy()
+    try:                                  # the hot path: one cheap runtime call, one dict hit
+        mod = _COMPILED.get((cp.cuda.runtime.getDevice(), name))
+    except Exception:  # noqa: BLE001 - no device: _current_device says so below
+        mod = None
     if mod is not None:
         return mod
+    device, cc = _current_device(cp)
+    key = (device, name)
+    if cc not in _spec(name).capabilities:
+        raise _refusal(cp, device, cc, name)
     with _LOCK:
         mod = _COMPILED.get(key)
         if mod is None:
             mod = cp.RawModule(code=module_source(name),
-                               options=compile_options(name, _arch_for(cc)))
+                               options=compile_options(name, arch_for(cc)))
             mod.compile()
             _COMPILED[key] = mod
     return mod
@@ -114,23 +331,48 @@ def get_function(module, kernel):
 
 
 def precompile(modules=None):
-    """Compile every kernel module (or the named ones) on the current device.
+    """Compile the kernel modules the current device runs (or the named ones).
 
     Returns the names compiled. Call it at start-up to keep NVRTC out of the
     first forward pass (and out of CUDA graph capture).
 
+    With ``modules=None`` every module whose capabilities include the device's
+    is compiled and the others are skipped (on a device below compute
+    capability 8.0 that is none: the result is ``[]``). Named modules are all
+    checked before any is compiled: one the device cannot run raises.
+
     Raises
     ------
     KernelUnavailable
-        Without CuPy or a CUDA device of compute capability 9.0 or newer.
+        Without CuPy or a CUDA device, or when ``modules`` names a module
+        outside the device's compute capability.
 
     Examples
     --------
+    On an H100/H200 (compute capability 9.0):
+
     >>> import cpsparse
     >>> cpsparse.precompile()          # doctest: +SKIP
     ['quant', 'indexer', 'topk', 'attention']
+
+    On a B200 (10.0) the Hopper-only modules are skipped:
+
+    >>> cpsparse.precompile()          # doctest: +SKIP
+    ['quant', 'topk']
+    >>> cpsparse.precompile(["indexer"])   # doctest: +SKIP
+    Traceback (most recent call last):
+    ...
+    cpsparse.raw_kernels.KernelUnavailable: cpsparse kernel module 'indexer' ...
     """
-    names = list(MODULES) if modules is None else list(modules)
+    cp = _cupy()
+    device, cc = _current_device(cp)
+    if modules is None:
+        names = supported_modules(cc)
+    else:
+        names = list(modules)
+        for name in names:
+            if cc not in _spec(name).capabilities:
+                raise _refusal(cp, device, cc, name)
     for name in names:
         get_module(name)
     return names
@@ -138,8 +380,27 @@ def precompile(modules=None):
 
 # ---- registry ----------------------------------------------------------------
 # Kernel issues add their modules here, e.g.
-#   register_module("indexer", ["common.cuh", "indexer.cu"])
-register_module("quant", ["common.cuh", "quant.cu"])
-register_module("indexer", ["common.cuh", "indexer.cu"])
-register_module("topk", ["common.cuh", "topk.cu"], options=("-default-device",))
-register_module("attention", ["common.cuh", "attention.cu"])
+#   register_module("indexer", ["common.cuh", "indexer.cu"], capabilities=exactly((9, 0)))
+# tests/test_kernel_compile.py compiles each module for every arch it claims
+# (sm_80, sm_90a, sm_100, sm_120) and checks that the ones it refuses fail.
+register_module("quant", ["common.cuh", "quant.cu"],
+                capabilities=at_least(8, 0),
+                ops=("quantize_fp8", "IndexerKCache.insert", "IndexerKCache.gather"),
+                needs="portable CUDA")
+register_module("indexer", ["common.cuh", "indexer.cu"],
+                capabilities=exactly((9, 0)),
+                ops=("mqa_logits", "paged_mqa_logits"),
+                needs="Hopper wgmma, compiled for sm_90a")
+register_module("topk", ["common.cuh", "topk.cu"], options=("-default-device",),
+                capabilities=at_least(9, 0),
+                ops=("topk_per_row", "topk_per_row_decode"),
+                needs="thread-block clusters and distributed shared memory")
+register_module("attention", ["common.cuh", "attention.cu"],
+                capabilities=exactly((9, 0)),
+                ops=("sparse_mla_attention", "dense_mla_attention", "local_to_global_slots"),
+                needs="Hopper wgmma, compiled for sm_90a")
+
+# The lowest compute capability any module runs on (8.0). Before modules
+# declared their own capabilities this was the single requirement (9.0);
+# require_device(cp) without a module still checks it.
+MIN_COMPUTE_CAPABILITY = min(spec.capabilities.lowest for spec in MODULES.values())

@@ -233,10 +233,19 @@ __device__ __forceinline__ int att_ld_s32(u32 addr) {
     return v;
 }
 
-// Slot of key j (< nk) of this CTA's token: the top-k entry, or a causal range.
-__device__ __forceinline__ int att_slot(const int* __restrict__ irow, int rbase, int nk, int j) {
+// A slot names a key only inside [0, num_slots): anything else (-1 padding, a negative
+// or too large value that no host check caught) is masked and never dereferenced.
+__device__ __forceinline__ bool att_slot_ok(int slot, int num_slots) {
+    return (u32)slot < (u32)num_slots;
+}
+
+// Slot of key j (< nk) of this CTA's token: the top-k entry, or a causal range; -1 when
+// masked or out of range.
+__device__ __forceinline__ int att_slot(const int* __restrict__ irow, int rbase, int nk, int j,
+                                        int num_slots) {
     if (j >= nk) return -1;
-    return irow != nullptr ? __ldg(irow + j) : rbase + j;
+    const int slot = irow != nullptr ? __ldg(irow + j) : rbase + j;
+    return att_slot_ok(slot, num_slots) ? slot : -1;
 }
 
 // Gather one tile of dense bf16 rows (16-byte cp.async, zero-fill when masked).
@@ -244,8 +253,9 @@ __device__ __forceinline__ int att_slot(const int* __restrict__ irow, int rbase,
 __device__ __forceinline__ bool att_gather_rows(u32 sk, u32 valid,
                                                 const u8* __restrict__ kv,
                                                 const int* __restrict__ irow, int rbase,
-                                                int nk, int tile, int grow, int gsub) {
-    const int slot = att_slot(irow, rbase, nk, tile * 64 + grow);
+                                                int nk, int num_slots, int tile, int grow,
+                                                int gsub) {
+    const int slot = att_slot(irow, rbase, nk, tile * 64 + grow, num_slots);
     const bool v = slot >= 0;
     const u8* src = kv + (v ? (size_t)slot * ATT_ROW_BYTES : (size_t)0);
     const u32 dst = sk + grow * 128;
@@ -271,12 +281,12 @@ struct AttRaw {
 
 __device__ __forceinline__ void att_load_raw(AttRaw& r, const u8* __restrict__ kv,
                                              const int* __restrict__ irow, int nk,
-                                             int tile, int grow, int gsub) {
+                                             int num_slots, int tile, int grow, int gsub) {
     // Branch-free (no divergent code between wgmma issue and wait): a masked row
     // reads record 0 and is zeroed by selects.
     const int j = tile * 64 + grow;
     const int slot = __ldg(irow + min(j, nk - 1));
-    const bool v = j < nk && slot >= 0;
+    const bool v = j < nk && att_slot_ok(slot, num_slots);
     r.slot = v ? slot : -1;
     const uint4* rec = reinterpret_cast<const uint4*>(kv + (v ? (size_t)slot * ATT_REC_BYTES
                                                              : (size_t)0));
@@ -405,7 +415,7 @@ template <int KV_FP8, int QK_WG, int PV_WG>
 __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
                                          const u8* __restrict__ kv,
                                          const int* __restrict__ indices, int topk,
-                                         const int* __restrict__ row_start,
+                                         int num_slots, const int* __restrict__ row_start,
                                          const int* __restrict__ row_len,
                                          float* __restrict__ out, float* __restrict__ lse,
                                          int H, int d_v, float scale_log2) {
@@ -453,9 +463,9 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
     bool v_cur = false, v_next = false;
     if (ntiles > 0) {
         if (KV_FP8) {
-            att_load_raw(raw_next, kv, irow, nk, 0, grow, gsub);
+            att_load_raw(raw_next, kv, irow, nk, num_slots, 0, grow, gsub);
         } else {
-            v_next = att_gather_rows(base + ATT_OFF_K, s_valid, kv, irow, rbase, nk, 0,
+            v_next = att_gather_rows(base + ATT_OFF_K, s_valid, kv, irow, rbase, nk, num_slots, 0,
                                      grow, gsub);
             att_cp_async_commit();
         }
@@ -484,7 +494,7 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
     if (KV_FP8 && ntiles > 0) {
         att_store_raw(raw_next, kv, base + ATT_OFF_K, s_valid, grow, gsub);
         v_cur = raw_next.slot >= 0;
-        if (kFp8Mode == 1) att_load_raw(raw_next, kv, irow, nk, 1, grow, gsub);
+        if (kFp8Mode == 1) att_load_raw(raw_next, kv, irow, nk, num_slots, 1, grow, gsub);
     }
 
     // ---- main loop over key tiles ------------------------------------------------
@@ -504,15 +514,18 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
             att_cp_async_wait_all();              // RoPE part of this tile
             att_fence_proxy_async();
             any = __syncthreads_or(v_cur);
-            if (kFp8Mode == 1) pf_slot = max(__ldg(irow + min((it + 3) * 64 + grow, nk - 1)), 0);
-            if (kEarly && it + 1 < ntiles) att_load_raw(raw_next, kv, irow, nk, it + 1, grow, gsub);
+            if (kFp8Mode == 1) {
+                pf_slot = __ldg(irow + min((it + 3) * 64 + grow, nk - 1));
+                pf_slot = att_slot_ok(pf_slot, num_slots) ? pf_slot : 0;   // prefetch in bounds
+            }
+            if (kEarly && it + 1 < ntiles) att_load_raw(raw_next, kv, irow, nk, num_slots, it + 1, grow, gsub);
         } else {
             att_cp_async_wait_all();
             att_fence_proxy_async();
             any = __syncthreads_or(v_next);
             if (it + 1 < ntiles) {
                 v_next = att_gather_rows(sk_next, s_valid + (buf ^ 1) * 256, kv, irow, rbase,
-                                         nk, it + 1, grow, gsub);
+                                         nk, num_slots, it + 1, grow, gsub);
                 att_cp_async_commit();
             }
         }
@@ -532,7 +545,7 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
             } else {
                 att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
                 v_cur = raw_next.slot >= 0;
-                att_load_raw(raw_next, kv, irow, nk, it + 2, grow, gsub);
+                att_load_raw(raw_next, kv, irow, nk, num_slots, it + 2, grow, gsub);
                 continue;
             }
         } else {
@@ -551,7 +564,7 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
             }
             if (!any) {                           // every key of this tile is masked
                 if (kFp8Mode == 3 && it + 1 < ntiles) {
-                    att_load_raw(raw_next, kv, irow, nk, it + 1, grow, gsub);
+                    att_load_raw(raw_next, kv, irow, nk, num_slots, it + 1, grow, gsub);
                     att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
                     v_cur = raw_next.slot >= 0;
                 }
@@ -632,14 +645,14 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
                                       1);
             }
             att_wgmma_commit();
-            if (kFp8Mode == 1) att_load_raw(raw_next, kv, irow, nk, it + 2, grow, gsub);
+            if (kFp8Mode == 1) att_load_raw(raw_next, kv, irow, nk, num_slots, it + 2, grow, gsub);
             att_wgmma_wait0();
             att_fence_regs(o);
         } else {
             att_pv_mma(o, sp, sk, wg, wi, lane);
         }
         if (kFp8Mode == 3 && it + 1 < ntiles) {
-            att_load_raw(raw_next, kv, irow, nk, it + 1, grow, gsub);
+            att_load_raw(raw_next, kv, irow, nk, num_slots, it + 1, grow, gsub);
             att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
             v_cur = raw_next.slot >= 0;
         }
@@ -657,8 +670,10 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
     __syncthreads();
     const float L0 = att_ld_f32(s_l + 4 * r0) + att_ld_f32(s_l + 4 * (64 + r0));
     const float L1 = att_ld_f32(s_l + 4 * r1) + att_ld_f32(s_l + 4 * (64 + r1));
-    const float inv0 = L0 > 0.f ? 1.f / L0 : 0.f;
-    const float inv1 = L1 > 0.f ? 1.f / L1 : 0.f;
+    // L == 0: no valid key (out 0, lse -inf). A NaN score makes L NaN, and NaN flows
+    // into out and lse (never the "no valid key" marker).
+    const float inv0 = L0 == 0.f ? 0.f : 1.f / L0;
+    const float inv1 = L1 == 0.f ? 0.f : 1.f / L1;
     float* out0 = out + ((size_t)tok * H + h0 + r0) * d_v;
     float* out1 = out + ((size_t)tok * H + h0 + r1) * d_v;
 #pragma unroll
@@ -675,19 +690,20 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
     }
     if (wg == 0 && t4 == 0) {
         float* lrow = lse + (size_t)tok * H + h0;
-        if (r0 < nh) lrow[r0] = L0 > 0.f ? m0 * ATT_LN2 + logf(L0) : ATT_NEG_INF;
-        if (r1 < nh) lrow[r1] = L1 > 0.f ? m1 * ATT_LN2 + logf(L1) : ATT_NEG_INF;
+        if (r0 < nh) lrow[r0] = L0 == 0.f ? ATT_NEG_INF : m0 * ATT_LN2 + logf(L0);
+        if (r1 < nh) lrow[r1] = L1 == 0.f ? ATT_NEG_INF : m1 * ATT_LN2 + logf(L1);
     }
 }
 
 #define ATT_KERNEL(NAME, FP8, QKW, PVW)                                                     \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1)                            \
     NAME(const void* __restrict__ q, int q_half, const u8* __restrict__ kv,                 \
-         const int* __restrict__ indices, int topk, const int* __restrict__ row_start,      \
-         const int* __restrict__ row_len, float* __restrict__ out,                          \
-         float* __restrict__ lse, int H, int d_v, float scale_log2) {                       \
-        att_body<FP8, QKW, PVW>(q, q_half, kv, indices, topk, row_start, row_len, out,      \
-                                lse, H, d_v, scale_log2);                                   \
+         const int* __restrict__ indices, int topk, int num_slots,                          \
+         const int* __restrict__ row_start, const int* __restrict__ row_len,                \
+         float* __restrict__ out, float* __restrict__ lse, int H, int d_v,                  \
+         float scale_log2) {                                                                \
+        att_body<FP8, QKW, PVW>(q, q_half, kv, indices, topk, num_slots, row_start,         \
+                                row_len, out, lse, H, d_v, scale_log2);                     \
     }
 
 ATT_KERNEL(cps_sparse_mla_fp8_wg, 1, 1, 1)
@@ -714,21 +730,25 @@ extern "C" __global__ void cps_f16_to_bf16(const u16* __restrict__ x, u16* __res
     }
 }
 
-// Request-local top-k positions -> global cache slots; negative stays -1.
+// Request-local top-k positions -> global cache slots. -1 for a masked position and
+// for anything out of range: a negative position, a request id outside [0, num_reqs),
+// a position past the request's block-table row, a negative page id, or a slot that
+// does not fit int32 (it would wrap onto another request's page).
 extern "C" __global__ void cps_local_to_global_slots(const int* __restrict__ indices,
                                                      const int* __restrict__ req_ids,
                                                      const int* __restrict__ block_table,
-                                                     int max_blocks, int topk,
+                                                     int num_reqs, int max_blocks, int topk,
                                                      long long n, int block_size,
                                                      int* __restrict__ out) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         const int pos = indices[i];
+        const int req = req_ids[i / topk];
         int slot = -1;
-        if (pos >= 0) {
-            const int req = req_ids[i / topk];
+        if (pos >= 0 && (u32)req < (u32)num_reqs && pos / block_size < max_blocks) {
             const long long page = block_table[(long long)req * max_blocks + pos / block_size];
-            slot = (int)(page * block_size + pos % block_size);
+            const long long s = page * block_size + pos % block_size;
+            slot = page >= 0 && s <= 0x7FFFFFFFll ? (int)s : -1;
         }
         out[i] = slot;
     }

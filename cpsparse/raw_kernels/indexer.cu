@@ -303,15 +303,18 @@ __device__ __forceinline__ void cps_idx_cta(
             if (contiguous) {
                 const u8* codes;
                 const u8* scales;
+                int lim_keys = hi - t0;                // keys of the tile that exist
                 if constexpr (PAGED) {
-                    const u8* page = kc + (long long)s.bt[(t0 >> bs_shift) - bt_first] * page_bytes;
+                    const int pg = s.bt[(t0 >> bs_shift) - bt_first];
+                    if (pg < 0) lim_keys = 0;          // out-of-range page: nothing read
+                    const u8* page = kc + (long long)max(pg, 0) * page_bytes;
                     codes = page + (long long)(t0 & bs_mask) * CPS_IDX_D;
                     scales = page + ((long long)(1 << bs_shift) << 7) + (t0 & bs_mask) * 4;
                 } else {
                     codes = kc + (long long)t0 * CPS_IDX_D;
                     scales = reinterpret_cast<const u8*>(ksc + t0);
                 }
-                const int lim = hi - t0 - rr;          // rows 16 it + rr < hi - t0 are keys
+                const int lim = lim_keys - rr;         // rows 16 it + rr < lim_keys are keys
 #pragma unroll
                 for (int it = 0; it < 4; ++it) {
                     const bool valid = 16 * it < lim;
@@ -319,7 +322,7 @@ __device__ __forceinline__ void cps_idx_cta(
                                    valid);
                 }
                 if (tid < CPS_IDX_TILE) {
-                    const bool valid = t0 + tid < hi;
+                    const bool valid = tid < lim_keys;
                     cps_cp_async4(sks + (buf * CPS_IDX_TILE + tid) * 4, valid ? scales + tid * 4 : kc,
                                   valid);
                 }
@@ -329,20 +332,20 @@ __device__ __forceinline__ void cps_idx_cta(
                     const int idx = it * CPS_IDX_THREADS + tid;
                     const int r = idx >> 3, c = idx & 7;
                     const int pos = t0 + r;
-                    const bool valid = pos < hi;
+                    const long long pg = pos < hi ? s.bt[(pos >> bs_shift) - bt_first] : -1;
+                    const bool valid = pg >= 0;
                     const u8* src = kc;
                     if (valid) {
-                        const long long pg = s.bt[(pos >> bs_shift) - bt_first];
                         src = kc + pg * page_bytes + (long long)(pos & bs_mask) * CPS_IDX_D + c * 16;
                     }
                     cps_cp_async16(kdst + r * CPS_IDX_D + ((c ^ (r & 7)) << 4), src, valid);
                 }
                 if (tid < CPS_IDX_TILE) {
                     const int pos = t0 + tid;
-                    const bool valid = pos < hi;
+                    const long long pg = pos < hi ? s.bt[(pos >> bs_shift) - bt_first] : -1;
+                    const bool valid = pg >= 0;
                     const void* src = kc;
                     if (valid) {
-                        const long long pg = s.bt[(pos >> bs_shift) - bt_first];
                         src = kc + pg * page_bytes + ((long long)(1 << bs_shift) << 7)
                               + (long long)(pos & bs_mask) * 4;
                     }
@@ -410,7 +413,8 @@ __device__ __forceinline__ void cps_idx_cta(
                         const int col = t0 + key0 + 8 * t;
                         if (col < t_hi) {
                             const float v = t ? v1 * sk1 : v0 * sk0;
-                            const bool in = col >= s.lo[r] && col < s.hi[r];
+                            bool in = col >= s.lo[r] && col < s.hi[r];
+                            if constexpr (PAGED) in = in && s.bt[(col >> bs_shift) - bt_first] >= 0;
                             out[(out_row0 + r) * ld + col] = in ? v : CPS_NEG_INF;
                         }
                     }
@@ -467,8 +471,10 @@ __device__ __forceinline__ void cps_mqa_logits_body(
     const long long tok0 = (long long)blk * rpc;
     const int nrows = (int)min((long long)rpc, (long long)M - tok0);
     if (threadIdx.x < nrows) {
-        s.lo[threadIdx.x] = ks[tok0 + threadIdx.x];
-        s.hi[threadIdx.x] = ke[tok0 + threadIdx.x];
+        // Windows are clamped to the keys that exist: an out-of-range ks / ke (production
+        // mode, no host check) never reads past k codes or writes past the row.
+        s.lo[threadIdx.x] = max(ks[tok0 + threadIdx.x], 0);
+        s.hi[threadIdx.x] = min(ke[tok0 + threadIdx.x], N);
     }
     __syncthreads();
     cps_idx_cta<128, WG, false, true, CPS_IDX_STAGES>(s, nrows, rpc, 1, H, hp, q, w, tok0, kc, ksc, 0, 0, 0,
@@ -501,8 +507,8 @@ template <int NC, bool WG, bool WREG, int STAGES>
 __device__ __forceinline__ void cps_paged_body(
         const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w,
         const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,
-        float* __restrict__ out, int width, int next_n, int H, int hp, int nch, int bs_shift,
-        int piece_tiles) {
+        int num_blocks, float* __restrict__ out, int width, int next_n, int H, int hp, int nch,
+        int bs_shift, int piece_tiles) {
     extern __shared__ u8 cps_idx_smem_raw[];
     const int rpc = NC / hp;
     const CpsIdxSmem s = cps_idx_carve(cps_idx_smem_raw, nch * NC, STAGES);
@@ -518,9 +524,12 @@ __device__ __forceinline__ void cps_paged_body(
     const int bt_first = own_lo >> bs_shift;
     const int n_pages = ((own_hi - 1) >> bs_shift) - bt_first + 1;
     const int* bt_row = bt + (long long)b * bt_cols;
+    // A page id outside [0, num_blocks), or a position past the table row, is stored
+    // as -1: its keys are never read and score -inf.
     for (int i = tid; i < n_pages; i += CPS_IDX_THREADS) {
         const int p = bt_first + i;
-        s.bt[i] = p < bt_cols ? bt_row[p] : 0;
+        const int pg = p < bt_cols ? bt_row[p] : -1;
+        s.bt[i] = (u32)pg < (u32)num_blocks ? pg : -1;
     }
     __syncthreads();
     const long long row0 = (long long)b * next_n;
@@ -534,10 +543,11 @@ __device__ __forceinline__ void cps_paged_body(
     extern "C" __global__ void __launch_bounds__(CPS_IDX_THREADS, MINB)                       \
     NAME(const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w, \
          const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,  \
-         float* __restrict__ out, int width, int next_n, int H, int hp, int nch, int bs_shift, \
-         int piece_tiles) {                                                                   \
-        cps_paged_body<NC, WG, WREG, STAGES>(q, cache, w, lens, lens_2d, bt, bt_cols, out, width,   \
-                                       next_n, H, hp, nch, bs_shift, piece_tiles);            \
+         int num_blocks, float* __restrict__ out, int width, int next_n, int H, int hp,       \
+         int nch, int bs_shift, int piece_tiles) {                                            \
+        cps_paged_body<NC, WG, WREG, STAGES>(q, cache, w, lens, lens_2d, bt, bt_cols,         \
+                                             num_blocks, out, width, next_n, H, hp, nch,      \
+                                             bs_shift, piece_tiles);                          \
     }
 
 // _n64 / _n128: one chunk of 64 / 128 columns (weights in registers); _n128m: next_n rows

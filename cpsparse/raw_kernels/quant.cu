@@ -64,13 +64,16 @@ extern "C" __global__ void cps_quantize_fp8(const float* __restrict__ x,
 extern "C" __global__ void cps_indexer_k_quant_and_cache(const float* __restrict__ k,
                                                          const int* __restrict__ slot_mapping,
                                                          u8* __restrict__ cache,
+                                                         long long num_slots,
                                                          long long n, int head_dim,
                                                          int block_size, float eps, int ue8m0) {
     const int lane = threadIdx.x & 31;
     const long long t = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= n) return;
     const long long slot = slot_mapping[t];
-    if (slot < 0) return;                         // padding token: skipped
+    // -1 (padding) is skipped; so is any slot outside the cache (production mode: no
+    // host check ran), which is never written.
+    if (slot < 0 || slot >= num_slots) return;
     const long long page = (long long)block_size * (head_dim + 4);
     const long long blk = slot / block_size;
     const int off = (int)(slot % block_size);
@@ -85,8 +88,11 @@ extern "C" __global__ void cps_indexer_k_quant_and_cache(const float* __restrict
 
 // Gather the keys of a packed batch: row n of request r = position n - cu[r],
 // read from page block_table[r, p / block_size]. One warp per key;
-// req_of_row [N] gives r (computed on the host side from cu_seq_lens).
+// req_of_row [N] gives r (computed on the host side from cu_seq_lens). A row whose
+// page id is outside [0, num_blocks) (or whose position is past the table row) reads
+// nothing and gathers as zero codes with a zero scale.
 extern "C" __global__ void cps_indexer_k_gather(const u8* __restrict__ cache,
+                                                int num_blocks,
                                                 const int* __restrict__ block_table,
                                                 int max_blocks,
                                                 const int* __restrict__ cu_seq_lens,
@@ -100,16 +106,31 @@ extern "C" __global__ void cps_indexer_k_gather(const u8* __restrict__ cache,
     const int r = req_of_row[row];
     const long long p = row - cu_seq_lens[r];
     const long long page = (long long)block_size * (head_dim + 4);
-    const long long blk = block_table[(long long)r * max_blocks + p / block_size];
+    const bool in_table = p >= 0 && p / block_size < max_blocks;
+    const long long blk = in_table ? block_table[(long long)r * max_blocks + p / block_size] : -1;
+    const bool ok = blk >= 0 && blk < num_blocks;
     const int off = (int)(p % block_size);
-    const u8* src = cache + blk * page + (long long)off * head_dim;
+    const u8* src = cache + (ok ? blk * page + (long long)off * head_dim : 0ll);
     u8* dst = codes + row * head_dim;
     for (int c = lane * 4; c < head_dim; c += 128) {
-        *reinterpret_cast<u32*>(dst + c) = *reinterpret_cast<const u32*>(src + c);
+        *reinterpret_cast<u32*>(dst + c) = ok ? *reinterpret_cast<const u32*>(src + c) : 0u;
     }
     if (lane == 0) {
-        scales[row] = *reinterpret_cast<const float*>(cache + blk * page
-                                                      + (long long)block_size * head_dim
-                                                      + 4ll * off);
+        scales[row] = ok ? *reinterpret_cast<const float*>(cache + blk * page
+                                                           + (long long)block_size * head_dim
+                                                           + 4ll * off)
+                         : 0.f;
+    }
+}
+
+// int64 index arrays (vLLM's slot_mapping, NumPy's and torch's default integers) -> the
+// int32 the kernels take, saturating: a value outside int32 stays out of range (and is
+// masked or skipped by the kernel that reads it) instead of wrapping onto a valid index.
+extern "C" __global__ void cps_index_to_i32(const long long* __restrict__ src,
+                                            int* __restrict__ dst, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long v = src[i];
+        dst[i] = (int)max(min(v, 0x7FFFFFFFll), -0x80000000ll);
     }
 }

@@ -1,7 +1,10 @@
 """Reference MLA attention (sparse over top-k rows, and dense causal), array-generic.
 
 Float64 softmax in natural log: ``lse = log(sum_j exp(sm_scale * q . k_j))``.
-A query with no valid key gets ``out = 0`` and ``lse = -inf`` (never NaN).
+A query with no valid key gets ``out = 0`` and ``lse = -inf``. A masked key (index
+-1, or any index outside ``[0, num_slots)``) is never read, so whatever its slot
+holds (NaN included) cannot reach the output; a NaN that does take part (in the
+query or in a valid key) makes that row's out and lse NaN, never the empty marker.
 """
 
 import numpy
@@ -13,15 +16,24 @@ WORKSPACE_BYTES = 256 << 20
 
 
 def _softmax_rows(xp, logits, valid):
-    """(p, lse) over the last axis with invalid entries excluded."""
+    """(p, lse) over the last axis with invalid entries excluded.
+
+    A row with no valid entry gets p = 0, lse = -inf; a NaN among its valid
+    entries makes the whole row's p and lse NaN.
+    """
     masked = xp.where(valid, logits, -xp.inf)
+    nan_row = xp.isnan(masked).any(axis=-1, keepdims=True)
+    masked = xp.where(xp.isnan(masked), -xp.inf, masked)
     top = masked.max(axis=-1, keepdims=True)
     top = xp.where(xp.isfinite(top), top, 0.0)
-    e = xp.where(valid, xp.exp(masked - top), 0.0)
+    with numpy.errstate(over="ignore", invalid="ignore"):
+        e = xp.where(valid, xp.exp(masked - top), 0.0)
     total = e.sum(axis=-1, keepdims=True)
     with numpy.errstate(divide="ignore", invalid="ignore"):
-        lse = xp.where(total > 0, xp.log(total) + top, -xp.inf)[..., 0]
+        lse = xp.where(total > 0, xp.log(total) + top, -xp.inf)
         p = xp.where(total > 0, e / xp.where(total > 0, total, 1.0), 0.0)
+    lse = xp.where(nan_row, xp.nan, lse)[..., 0]
+    p = xp.where(nan_row, xp.nan, p)
     return p, lse
 
 
@@ -29,27 +41,31 @@ def sparse_mla_attention(q, kv, indices, sm_scale, d_v, decode=None):
     """out [T, H, d_v], lse [T, H] (float32) over the rows ``kv[indices[t]]``.
 
     kv is the dense latent [S, Dqk], or raw rows (e.g. fp8_ds_mla records)
-    that ``decode`` turns into float rows [n, Dqk]. Index -1 is masked; a
+    that ``decode`` turns into float rows [n, Dqk]. An index outside ``[0, S)``
+    (-1 padding, or anything out of range) is masked and its row never read; a
     repeated index counts as many times as it appears.
     """
     xp = xp_of(q)
     tokens, heads, dqk = q.shape
     topk = indices.shape[1]
+    num_slots = kv.shape[0]
     out = xp.zeros((tokens, heads, d_v), dtype=xp.float32)
     lse = xp.full((tokens, heads), -xp.inf, dtype=xp.float32)
-    if tokens == 0 or topk == 0 or kv.shape[0] == 0:
-        return out, lse          # nothing to attend to (every index is -1)
+    if tokens == 0 or topk == 0 or num_slots == 0:
+        return out, lse          # nothing to attend to (every index is masked)
     q64 = fp8.to_float64(q)
     chunk = max(1, WORKSPACE_BYTES // (8 * topk * (dqk + heads)))
     for t0 in range(0, tokens, chunk):
         t1 = min(tokens, t0 + chunk)
         idx = indices[t0:t1].astype(xp.int64)
-        valid = idx >= 0
-        # Decode each distinct slot once: top-k rows of nearby tokens overlap.
-        slots, inverse = xp.unique(xp.where(valid, idx, 0).reshape(-1), return_inverse=True)
+        valid = (idx >= 0) & (idx < num_slots)
+        # Decode each distinct valid slot once (top-k rows of nearby tokens overlap);
+        # masked entries get zero rows without reading anything.
+        slots, inverse = xp.unique(idx[valid], return_inverse=True)
         distinct = kv[slots]
         distinct = fp8.to_float64(decode(distinct) if decode is not None else distinct)
-        rows = distinct[inverse.reshape(-1)].reshape(idx.shape + (dqk,))  # [t, k, Dqk]
+        rows = xp.zeros(idx.shape + (dqk,), dtype=xp.float64)           # [t, k, Dqk]
+        rows[valid] = distinct[inverse.reshape(-1)]
         logits = (q64[t0:t1] @ rows.transpose(0, 2, 1)) * sm_scale       # [t, h, k]
         p, row_lse = _softmax_rows(xp, logits, valid[:, None, :])
         out[t0:t1] = p @ rows[:, :, :d_v]
@@ -88,11 +104,24 @@ def dense_mla_attention(q, kv, sm_scale, d_v, cu_seqlens_q, cu_seqlens_k):
     return out, lse
 
 
+INT32_MAX = 2 ** 31 - 1
+
+
 def local_to_global_slots(indices, req_ids, block_table, block_size):
-    """``block_table[req, pos // B] * B + pos % B``; negative positions give -1."""
+    """``block_table[req, pos // B] * B + pos % B``, or -1.
+
+    -1 for a masked (negative) position and for anything out of range: a request
+    id outside the table, a position past its table row, a negative page id, or
+    a slot past int32 (it would wrap onto another request's page).
+    """
     xp = xp_of(indices)
+    num_reqs, max_blocks = block_table.shape
     pos = indices.astype(xp.int64)
-    valid = pos >= 0
-    pos = xp.where(valid, pos, 0)
-    pages = block_table[req_ids.astype(xp.int64)[:, None], pos // block_size].astype(xp.int64)
-    return xp.where(valid, pages * block_size + pos % block_size, -1).astype(xp.int32)
+    req = req_ids.astype(xp.int64)[:, None]
+    valid = (pos >= 0) & (pos // block_size < max_blocks) & (req >= 0) & (req < num_reqs)
+    pages = xp.zeros(pos.shape, dtype=xp.int64)
+    rr, cc = xp.nonzero(valid)
+    pages[rr, cc] = block_table[req[rr, 0], pos[rr, cc] // block_size]
+    slots = pages * block_size + pos % block_size
+    valid &= (pages >= 0) & (slots <= INT32_MAX)
+    return xp.where(valid, slots, -1).astype(xp.int32)

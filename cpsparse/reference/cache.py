@@ -26,10 +26,13 @@ def _as_u8(xp, a, n):
 # ---- indexer key cache -------------------------------------------------------
 
 def indexer_insert(data, block_size, head_dim, codes, scales, slot_mapping):
-    """Scatter codes [N, D] uint8 and scales [N] float32 into the pages; slot -1 skipped."""
+    """Scatter codes [N, D] uint8 and scales [N] float32 into the pages.
+
+    Slot -1 is skipped, and so is any slot outside the cache (never written).
+    """
     xp = xp_of(data)
     page = block_size * (head_dim + 4)
-    valid = slot_mapping >= 0
+    valid = (slot_mapping >= 0) & (slot_mapping < data.shape[0] * block_size)
     slots = slot_mapping[valid].astype(xp.int64)
     if slots.size == 0:
         return
@@ -42,27 +45,40 @@ def indexer_insert(data, block_size, head_dim, codes, scales, slot_mapping):
 
 
 def indexer_read(data, block_size, head_dim, blocks, offsets):
-    """codes [N, D] uint8 and scales [N] float32 of (page, offset) pairs."""
+    """codes [N, D] uint8 and scales [N] float32 of (page, offset) pairs.
+
+    A page id outside ``[0, num_blocks)`` reads nothing: zero codes, zero scale.
+    """
     xp = xp_of(data)
     page = block_size * (head_dim + 4)
     blocks = blocks.astype(xp.int64)
     offsets = offsets.astype(xp.int64)
+    ok = (blocks >= 0) & (blocks < data.shape[0])
+    blocks, offsets = blocks[ok], offsets[ok]
     flat = data.reshape(-1)
-    codes = flat[(blocks * page + offsets * head_dim)[:, None] + xp.arange(head_dim)]
+    codes = xp.zeros((ok.shape[0], head_dim), dtype=xp.uint8)
+    codes[ok] = flat[(blocks * page + offsets * head_dim)[:, None] + xp.arange(head_dim)]
     sbytes = flat[(blocks * page + block_size * head_dim + 4 * offsets)[:, None] + xp.arange(4)]
-    scales = xp.ascontiguousarray(sbytes).view(xp.float32).reshape(-1)
+    scales = xp.zeros(ok.shape[0], dtype=xp.float32)
+    scales[ok] = xp.ascontiguousarray(sbytes).view(xp.float32).reshape(-1)
     return codes, scales
 
 
 def request_positions(cu_seq_lens, block_table, block_size):
-    """(page, offset) of every token of a packed batch; cu_seq_lens is host int64."""
+    """(page, offset) of every token of a packed batch; cu_seq_lens is host int64.
+
+    A position past its request's table row gets page -1 (read as nothing).
+    """
     xp = xp_of(block_table)
     lens = numpy.diff(cu_seq_lens)
     req = numpy.repeat(numpy.arange(lens.size), lens)
     pos = numpy.arange(int(cu_seq_lens[-1])) - numpy.repeat(cu_seq_lens[:-1], lens)
-    req, pos = xp.asarray(req), xp.asarray(pos)
-    blocks = block_table[req, pos // block_size]
-    return blocks, pos % block_size
+    col = pos // block_size
+    inside = col < block_table.shape[1]
+    req, col, inside = xp.asarray(req), xp.asarray(col), xp.asarray(inside)
+    blocks = xp.full(req.shape, -1, dtype=xp.int64)
+    blocks[inside] = block_table[req[inside], col[inside]]
+    return blocks, xp.asarray(pos % block_size)
 
 
 # ---- MLA fp8_ds_mla cache ----------------------------------------------------
@@ -104,7 +120,20 @@ def mla_decode(records, kv_lora_rank, rope_dim):
 
 
 def mla_insert(data, records, slot_mapping):
-    """Write records [N, T] into data [num_blocks, B, T]; slot -1 skipped."""
+    """Write records [N, T] into data [num_blocks, B, T]; slot -1 and any slot outside
+    the cache are skipped (never written)."""
     flat = data.reshape(-1, data.shape[-1])
-    valid = slot_mapping >= 0
+    valid = (slot_mapping >= 0) & (slot_mapping < flat.shape[0])
     flat[slot_mapping[valid].astype(xp_of(data).int64)] = records[valid]
+
+
+def mla_read(data, slots, kv_lora_rank, rope_dim):
+    """Dequantized rows float32 [N, L + R] of global slots; a slot outside the cache
+    reads nothing and gives a zero row."""
+    xp = xp_of(data)
+    flat = data.reshape(-1, data.shape[-1])
+    slots = slots.astype(xp.int64)
+    ok = (slots >= 0) & (slots < flat.shape[0])
+    rows = xp.zeros((slots.shape[0], kv_lora_rank + rope_dim), dtype=xp.float32)
+    rows[ok] = mla_decode(flat[slots[ok]], kv_lora_rank, rope_dim)
+    return rows

@@ -36,7 +36,11 @@ def _score_block(q, k, k_scales, weights):
 
 
 def mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke):
-    """logits [M, N] float32; ``-inf`` outside ``[ks, ke)``."""
+    """logits [M, N] float32; ``-inf`` outside ``[ks, ke)``.
+
+    Windows are clamped to the keys that exist (``[max(ks, 0), min(ke, N))``), as the
+    kernels do when no host check ran.
+    """
     xp = xp_of(q_codes)
     m_total, heads, dim = q_codes.shape
     n_keys = k_codes.shape[0]
@@ -45,10 +49,12 @@ def mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke):
         return out
     q = fp8.e4m3_decode(q_codes).astype(xp.float64)
     k = fp8.e4m3_decode(k_codes).astype(xp.float64)
-    s_k = k_scales.astype(xp.float64)
+    s_k = k_scales.reshape(-1).astype(xp.float64)
     w = weights.astype(xp.float64)
-    ks_h = to_host(ks).astype(numpy.int64)
-    ke_h = to_host(ke).astype(numpy.int64)
+    ks = xp.clip(ks.astype(xp.int64), 0, n_keys)
+    ke = xp.clip(ke.astype(xp.int64), 0, n_keys)
+    ks_h = to_host(ks)
+    ke_h = to_host(ke)
     rows = max(1, WORKSPACE_BYTES // (8 * heads * max(1, n_keys)))
     for m0 in range(0, m_total, rows):
         m1 = min(m_total, m0 + rows)
@@ -79,24 +85,36 @@ def decode_row_ends(context_lens, next_n):
 
 def paged_mqa_logits(q_codes, cache_data, block_size, weights, context_lens, block_table,
                      max_context_len):
-    """logits [B * next_n, max_context_len] float32 over the paged key cache."""
+    """logits [B * next_n, max_context_len] float32 over the paged key cache.
+
+    Windows end at ``min(end, max_context_len)``. A position whose page id is
+    outside ``[0, num_blocks)``, or past the request's block-table row, is not a
+    key: it is never read and scores ``-inf``.
+    """
     xp = xp_of(q_codes)
     batch, next_n, heads, dim = q_codes.shape
+    num_blocks, max_blocks = cache_data.shape[0], block_table.shape[1]
     out = xp.full((batch * next_n, max_context_len), -xp.inf, dtype=xp.float32)
-    ends = decode_row_ends(context_lens, next_n)
+    ends = xp.minimum(decode_row_ends(context_lens, next_n), max_context_len)
     ends_h = to_host(ends)
     for b in range(batch):
         rows = slice(b * next_n, (b + 1) * next_n)
         length = int(ends_h[rows].max()) if next_n else 0
-        if length == 0:
+        if length <= 0:
             continue
         pos = xp.arange(length)
-        codes, scales = cache_ref.indexer_read(cache_data, block_size, dim,
-                                               block_table[b, pos // block_size],
+        col = pos // block_size
+        pages = xp.full(length, -1, dtype=xp.int64)
+        inside = col < max_blocks
+        pages[inside] = block_table[b, col[inside]]
+        exists = (pages >= 0) & (pages < num_blocks)
+        pos = pos[exists]
+        codes, scales = cache_ref.indexer_read(cache_data, block_size, dim, pages[exists],
                                                pos % block_size)
         ks = xp.zeros(next_n, dtype=xp.int64)
-        out[rows, :length] = mqa_logits(q_codes[b], codes, scales, weights[rows], ks,
-                                        ends[rows])
+        # Keys are the existing positions only; a row's window is those below its end.
+        ke = xp.searchsorted(pos, ends[rows])
+        out[rows, pos] = mqa_logits(q_codes[b], codes, scales, weights[rows], ks, ke)
     return out
 
 
@@ -126,8 +144,11 @@ def topk_per_row(logits, row_starts, row_ends, k, out=None):
     m_total, width = logits.shape
     if out is None:
         out = xp.empty((m_total, k), dtype=xp.int32)
-    starts = row_starts.astype(xp.int64)
-    lens = row_ends.astype(xp.int64) - starts
+    # Windows clamped to the row, as the kernel does when no host check ran.
+    ends = xp.clip(row_ends.astype(xp.int64), 0, width)
+    starts = xp.minimum(xp.clip(row_starts.astype(xp.int64), 0, width), ends)
+    row_ends = ends
+    lens = ends - starts
     cols = xp.arange(k, dtype=xp.int64)
     out[...] = xp.where(cols[None, :] < lens[:, None], cols[None, :], -1).astype(xp.int32)
     long_rows = xp.flatnonzero(lens > k)
