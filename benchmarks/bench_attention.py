@@ -13,9 +13,10 @@ Workloads (PEERS.md), FLOPs = 2 * T * H * topk * (576 + 512):
 * dense causal (the short-prefill route): 4 requests of 1024 tokens, H = 128,
   causal FLOPs.
 
-Timings (CUDA events, medians): the public op (``cpsparse.sparse_mla_attention``
-with device value checks off, as a production loop runs it; prefill includes the
-bf16 pre-pass of the workspace) and the kernel alone for every variant. The torch
+Timings (:mod:`cpsparse.timing`: CUDA events, medians with p10/p90 over rotating
+inputs): the public op (``cpsparse.sparse_mla_attention`` with device value checks
+off, as a production loop runs it; prefill includes the bf16 pre-pass of the
+workspace) and the kernel alone (one kernel: no variants to sweep). The torch
 peer (bf16 gather + bmm + fp32 softmax + bmm, chunked over tokens; for decode it
 dequantizes the gathered fp8 records first) is timed when torch is present, as is
 the bf16 GEMM ceiling. A spot check against the float64 reference runs on a few
@@ -23,11 +24,10 @@ tokens of each workload. Results: benchmarks/results/attention.json (and
 $OUT/attention.json when set).
 """
 
-import os
-
 import numpy as np
 
 from benchmarks import harness
+from cpsparse import timing
 
 D_QK, D_V = 576, 512
 
@@ -72,7 +72,7 @@ def _torch_sparse(torch, q, rows_of, idx, scale, chunk):
     return out
 
 
-def bench_prefill(cp, torch, katt, cpsparse, scale, variants):
+def bench_prefill(cp, torch, katt, cpsparse, scale):
     tokens, heads, rows, k = 4096, 128, 8192, 2048
     cp.random.seed(1)
     q = cp.random.standard_normal((tokens, heads, D_QK), dtype=cp.float32).astype(cp.float16)
@@ -81,19 +81,14 @@ def bench_prefill(cp, torch, katt, cpsparse, scale, variants):
     flops = _flops(tokens, heads, k)
     res = {"workload": f"prefill T={tokens} H={heads} topk={k} of {rows} (fp16 in, bf16 MMA)",
            "flops": flops}
-    t = harness.time_cuda(lambda i: cpsparse.sparse_mla_attention(q, kv, i, scale),
-                          [(i,) for i in idx], warmup=2, iters=10)
-    res["op"] = dict(t, tflops=_tflops(flops, t["median_ms"]), variant=katt.get_variant())
+    t = timing.time_cuda(lambda i: cpsparse.sparse_mla_attention(q, kv, i, scale),
+                         [(i,) for i in idx], warmup=2, iters=10)
+    res["op"] = dict(t, tflops=_tflops(flops, t["median_ms"]))
     kvb = katt.to_bf16(cp, kv)
-    res["kernel"] = {}
-    previous = katt.get_variant()
-    for v in variants:
-        katt.set_variant(v)
-        t = harness.time_cuda(lambda i: katt._launch(cp, q, kvb, False, indices=i,
-                                                     sm_scale=scale, d_v=D_V),
-                              [(i,) for i in idx], warmup=2, iters=10)
-        res["kernel"][v] = dict(t, tflops=_tflops(flops, t["median_ms"]))
-    katt.set_variant(previous)
+    t = timing.time_cuda(lambda i: katt._launch(cp, q, kvb, False, indices=i,
+                                                sm_scale=scale, d_v=D_V),
+                         [(i,) for i in idx], warmup=2, iters=10)
+    res["kernel"] = dict(t, tflops=_tflops(flops, t["median_ms"]))
     out, lse = cpsparse.sparse_mla_attention(q, kv, idx[0], scale)
     kv_h = cp.asnumpy(kv).astype(np.float32)
     res["spot_check"] = _spot_check(cp, q, lambda ih: (kv_h, None), idx[0], scale, out, lse, 3)
@@ -102,7 +97,7 @@ def bench_prefill(cp, torch, katt, cpsparse, scale, variants):
         qt = torch.from_dlpack(q).to(torch.bfloat16)
         kvt = torch.from_dlpack(kv).to(torch.bfloat16)
         it = [torch.from_dlpack(i).long() for i in idx]
-        t = harness.time_torch(
+        t = timing.time_torch(
             lambda i: _torch_sparse(torch, qt, lambda ix: kvt[ix], i, scale, 256),
             [(i,) for i in it], warmup=1, iters=5)
         res["torch_peer"] = dict(t, tflops=_tflops(flops, t["median_ms"]))
@@ -127,7 +122,7 @@ def _decode_cache(cp, num_slots, seed):
     return rec
 
 
-def bench_decode(cp, torch, katt, cpsparse, scale, variants):
+def bench_decode(cp, torch, katt, cpsparse, scale):
     batch, s_q, heads, k, ctx, bs = 128, 2, 128, 2048, 32768, 64
     tokens = batch * s_q
     pages = ctx // bs
@@ -146,22 +141,17 @@ def bench_decode(cp, torch, katt, cpsparse, scale, variants):
     res = {"workload": f"decode B={batch} s_q={s_q} H={heads} topk={k} ctx={ctx} "
                        "(fp8_ds_mla cache)", "flops": flops}
     pos = _rand_topk(cp, tokens, ctx, k, 9)
-    t = harness.time_cuda(lambda: cpsparse.local_to_global_slots(pos, req, table, bs), [()],
-                          warmup=2, iters=20)
+    t = timing.time_cuda(lambda: cpsparse.local_to_global_slots(pos, req, table, bs),
+                         warmup=2, iters=20)
     res["local_to_global_slots"] = t
-    t = harness.time_cuda(lambda s: cpsparse.sparse_mla_attention(q, cache, s, scale),
-                          [(s,) for s in slots], warmup=2, iters=20)
-    res["op"] = dict(t, tflops=_tflops(flops, t["median_ms"]), variant=katt.get_variant())
+    t = timing.time_cuda(lambda s: cpsparse.sparse_mla_attention(q, cache, s, scale),
+                         [(s,) for s in slots], warmup=2, iters=20)
+    res["op"] = dict(t, tflops=_tflops(flops, t["median_ms"]))
     rows = cache.records()
-    res["kernel"] = {}
-    previous = katt.get_variant()
-    for v in variants:
-        katt.set_variant(v)
-        t = harness.time_cuda(lambda s: katt._launch(cp, q, rows, True, indices=s,
-                                                     sm_scale=scale, d_v=D_V),
-                              [(s,) for s in slots], warmup=2, iters=20)
-        res["kernel"][v] = dict(t, tflops=_tflops(flops, t["median_ms"]))
-    katt.set_variant(previous)
+    t = timing.time_cuda(lambda s: katt._launch(cp, q, rows, True, indices=s,
+                                                sm_scale=scale, d_v=D_V),
+                         [(s,) for s in slots], warmup=2, iters=20)
+    res["kernel"] = dict(t, tflops=_tflops(flops, t["median_ms"]))
     out, lse = cpsparse.sparse_mla_attention(q, cache, slots[0], scale)
     from cpsparse.reference import cache as cache_ref
 
@@ -195,15 +185,15 @@ def bench_decode(cp, torch, katt, cpsparse, scale, variants):
             rope = rec[..., 528:].contiguous().view(torch.bfloat16)
             return torch.cat([lat.to(torch.bfloat16), rope], dim=-1)
 
-        t = harness.time_torch(lambda s: _torch_sparse(torch, qt, rows_of, s, scale, 64),
-                               [(s,) for s in st], warmup=1, iters=5)
+        t = timing.time_torch(lambda s: _torch_sparse(torch, qt, rows_of, s, scale, 64),
+                              [(s,) for s in st], warmup=1, iters=5)
         res["torch_peer"] = dict(t, tflops=_tflops(flops, t["median_ms"]))
         del qt, rt, st
     del records, cache, rows, slots
     return res
 
 
-def bench_dense(cp, katt, cpsparse, scale):
+def bench_dense(cp, cpsparse, scale):
     reqs, length, heads = 4, 1024, 128
     tokens = reqs * length
     cp.random.seed(10)
@@ -212,12 +202,11 @@ def bench_dense(cp, katt, cpsparse, scale):
     cu = cp.arange(0, tokens + 1, length, dtype=cp.int32)
     pairs = reqs * length * (length + 1) // 2
     flops = 2.0 * heads * pairs * (D_QK + D_V)
-    t = harness.time_cuda(lambda: cpsparse.dense_mla_attention(q, kv, scale, cu_seqlens_q=cu,
-                                                               cu_seqlens_k=cu),
-                          [()], warmup=2, iters=10)
+    t = timing.time_cuda(lambda: cpsparse.dense_mla_attention(q, kv, scale, cu_seqlens_q=cu,
+                                                              cu_seqlens_k=cu),
+                         warmup=2, iters=10)
     return {"workload": f"dense causal {reqs} x {length} tokens H={heads} (fp16 in)",
-            "flops": flops, "op": dict(t, tflops=_tflops(flops, t["median_ms"]),
-                                       variant=katt.get_variant())}
+            "flops": flops, "op": dict(t, tflops=_tflops(flops, t["median_ms"]))}
 
 
 def main(argv=None):
@@ -225,18 +214,20 @@ def main(argv=None):
     torch = harness.torch_or_none()
     import cpsparse
     from cpsparse.attention import softmax_scale
-    from cpsparse.kernels import attention as katt
+    from cpsparse.raw_kernels import attention as katt
     cpsparse.set_device_value_checks(False)
     scale = softmax_scale(128, 64)
-    names = os.environ.get("CPSPARSE_ATTN_BENCH_VARIANTS")    # comma list, default all
-    variants = [v for v in names.split(",") if v] if names else list(katt.VARIANTS)
-    payload = {"info": harness.device_info(), "variant_default": katt.get_variant()}
-    payload["bf16_gemm_tflops"] = harness.bf16_gemm_tflops()
+    payload = {"info": harness.device_info(),
+               "what": "times: cpsparse.timing dicts (median_ms, p10_ms, p90_ms, iters); "
+                       "'kernel' is the one attention kernel launched alone (a dict by "
+                       "variant before issue 13, when the kernel had variants; "
+                       "'variant_default' and the per-variant entries are gone)"}
+    payload["bf16_gemm_tflops"] = timing.bf16_gemm_tflops()
     for key, fn in (("prefill", bench_prefill), ("decode", bench_decode),
                     ("dense", bench_dense)):
         try:
-            payload[key] = (fn(cp, katt, cpsparse, scale) if key == "dense"
-                            else fn(cp, torch, katt, cpsparse, scale, variants))
+            payload[key] = (fn(cp, cpsparse, scale) if key == "dense"
+                            else fn(cp, torch, katt, cpsparse, scale))
         except Exception as exc:  # noqa: BLE001 - record it, keep the other workloads
             payload[key] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"{key}: {payload[key]['error']}")
@@ -253,26 +244,26 @@ def main(argv=None):
         if "error" in r:
             continue
         peer = r.get("torch_peer")
-        for v, t in r["kernel"].items():
-            rows.append({"workload": key, "what": f"kernel {v}", "ms": t["median_ms"],
-                         "TFLOP/s": t["tflops"],
+        for what in ("kernel", "op"):
+            t = r[what]
+            rows.append({"workload": key, "what": what, "ms": t["median_ms"],
+                         "p10-p90": [t["p10_ms"], t["p90_ms"]], "TFLOP/s": t["tflops"],
                          "vs torch": peer["median_ms"] / t["median_ms"] if peer else None})
-        rows.append({"workload": key, "what": f"op ({r['op']['variant']})",
-                     "ms": r["op"]["median_ms"], "TFLOP/s": r["op"]["tflops"],
-                     "vs torch": peer["median_ms"] / r["op"]["median_ms"] if peer else None})
         if peer:
             rows.append({"workload": key, "what": "torch peer", "ms": peer["median_ms"],
+                         "p10-p90": [peer["p10_ms"], peer["p90_ms"]],
                          "TFLOP/s": peer["tflops"], "vs torch": 1.0})
     if "op" in payload["dense"]:
         d = payload["dense"]["op"]
-        rows.append({"workload": "dense", "what": f"op ({d['variant']})",
-                     "ms": d["median_ms"], "TFLOP/s": d["tflops"], "vs torch": None})
+        rows.append({"workload": "dense", "what": "op", "ms": d["median_ms"],
+                     "p10-p90": [d["p10_ms"], d["p90_ms"]], "TFLOP/s": d["tflops"],
+                     "vs torch": None})
     print(f"bf16 GEMM: {payload['bf16_gemm_tflops']} TFLOP/s")
     print("spot checks:", {k: payload[k].get("spot_check") for k in ("prefill", "decode")})
     if "local_to_global_slots" in payload["decode"]:
         print("local_to_global_slots 256x2048:",
               round(payload["decode"]["local_to_global_slots"]["median_ms"], 4), "ms")
-    harness.print_table(rows, ["workload", "what", "ms", "TFLOP/s", "vs torch"])
+    harness.print_table(rows, ["workload", "what", "ms", "p10-p90", "TFLOP/s", "vs torch"])
     return payload
 
 

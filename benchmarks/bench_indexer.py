@@ -2,6 +2,11 @@
 measured in the same run (copy bandwidth, cuBLASLt fp8 GEMM rate, the torch
 _scaled_mm prefill path).
 
+Timing (:mod:`cpsparse.timing`): the kernel time is a CUDA-graph replay of calls
+over rotating inputs (per call, Python launch overhead out); the eager time,
+host overhead included, is reported beside it. Ceilings: ``timing.copy_bandwidth_tbs``
+and ``timing.fp8_gemm_tflops``, at the start and the end of the run.
+
 Run on a GPU machine from the repository root::
 
     PYTHONPATH=$PWD python3 -m benchmarks.bench_indexer
@@ -15,28 +20,10 @@ import pathlib
 import numpy
 
 from benchmarks import harness
+from cpsparse import timing
 
 D = 128
 PATHS = ("wgmma", "mma")
-
-
-def graph_time(cp, launches, reps=10):
-    """Per-launch times of a CUDA graph replaying ``reps`` launches (rotating inputs).
-
-    Graph replay keeps the Python launch overhead out of the kernel time (the
-    eager time, host overhead included, is reported beside it).
-    """
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        for f in launches:
-            f()
-        stream.synchronize()
-        stream.begin_capture()
-        for i in range(reps):
-            launches[i % len(launches)]()
-        graph = stream.end_capture()
-        t = harness.time_cuda(lambda: graph.launch(stream), [()], warmup=2, iters=15)
-    return {k: (v / reps if k.endswith("_ms") else v) for k, v in t.items()}
 
 
 def _codes(cp, shape, rng):
@@ -75,8 +62,8 @@ def bench_prefill(cp, kin, name, requests, heads, rows):
     for path in PATHS:
         def run(q, k, sk, w, ks, ke, res, path=path):
             kin.mqa_logits(cp, q, k, sk, w, ks, ke, out=res, path=path)
-        eager = harness.time_cuda(run, inputs, warmup=3, iters=10)
-        t = graph_time(cp, [lambda a=a: run(*a) for a in inputs], reps=4)
+        eager = timing.time_cuda(run, inputs, warmup=3, iters=10)
+        t = timing.time_graph(run, inputs, reps=4, iters=15)
         ms = t["median_ms"]
         rows.append({"kind": "prefill", "workload": name, "impl": f"cpsparse-{path}",
                      "H": heads, "M": m, "N": n, "pairs": pairs, "time_ms": ms,
@@ -103,7 +90,7 @@ def bench_torch_prefill(cp, torch, rows, t_len=8192, heads=64):
         y = torch.bmm(w, x).view(m, n).float() * sk
         return y.masked_fill_(mask, float("-inf"))
 
-    t = harness.time_torch(run, [()], warmup=2, iters=10)
+    t = timing.time_torch(run, warmup=2, iters=10)
     pairs = m * (m + 1) // 2
     ms = t["median_ms"]
     rows.append({"kind": "prefill", "workload": f"causal 1x{t_len}", "impl": "torch _scaled_mm",
@@ -135,20 +122,20 @@ def _decode_inputs(cp, batch, ctx, next_n, heads, rng):
     return out
 
 
-def bench_decode(cp, kin, batch, ctx, next_n, heads, rows, rng, copy_tbs, variants=()):
-    """Both paths with the default plan, then (impl, piece_tiles, stages) variants."""
+def bench_decode(cp, kin, batch, ctx, next_n, heads, rows, rng, copy_tbs, piece_tiles=()):
+    """Both paths with the default plan, then wgmma with other ``piece_tiles`` (tuning)."""
     inputs = _decode_inputs(cp, batch, ctx, next_n, heads, rng)
     keys = batch * ctx
     nbytes = keys * (D + 4) + batch * next_n * ctx * 4
-    configs = [(f"cpsparse-{p}", p, None, None) for p in PATHS]
-    configs += [(f"wgmma pt={pt or 'auto'} s={st}", "wgmma", pt, st) for pt, st in variants]
-    for impl, path, pt, st in configs:
-        def run(q, cache, w, lens, table, res, path=path, pt=pt, st=st):
+    configs = [(f"cpsparse-{p}", p, None) for p in PATHS]
+    configs += [(f"wgmma pt={pt}", "wgmma", pt) for pt in piece_tiles]
+    for impl, path, pt in configs:
+        def run(q, cache, w, lens, table, res, path=path, pt=pt):
             kin.paged_mqa_logits(cp, q, cache, w, lens, table, ctx, out=res, path=path,
-                                 piece_tiles=pt, stages=st)
-        eager = (harness.time_cuda(run, inputs, warmup=3, iters=10)
+                                 piece_tiles=pt)
+        eager = (timing.time_cuda(run, inputs, warmup=3, iters=10)
                  if impl.startswith("cpsparse") else None)
-        t = graph_time(cp, [lambda a=a: run(*a) for a in inputs], reps=10)
+        t = timing.time_graph(run, inputs, reps=10, iters=15)
         ms = t["median_ms"]
         tbs = nbytes / (ms * 1e-3) / 1e12
         rows.append({"kind": "decode", "workload": f"B={batch} ctx={ctx} next_n={next_n}",
@@ -180,12 +167,12 @@ def main():
     cp = harness.cupy()
     import cpsparse
     from cpsparse import raw_kernels
-    from cpsparse.kernels import indexer as kin
+    from cpsparse.raw_kernels import indexer as kin
     torch = harness.torch_or_none()
     raw_kernels.precompile(["indexer"])
     info = harness.device_info()
-    copy_tbs = harness.copy_bandwidth_tbs()
-    gemm = harness.fp8_gemm_tflops()
+    copy_tbs = timing.copy_bandwidth_tbs()
+    gemm = timing.fp8_gemm_tflops()
     print(f"device {info['device']}: copy {copy_tbs:.3f} TB/s, fp8 GEMM "
           f"{gemm if gemm is None else round(gemm, 1)} TFLOP/s", flush=True)
     rows = []
@@ -196,16 +183,16 @@ def main():
     bench_prefill(cp, kin, "causal 4x4096", [(0, 4096)] * 4, 64, rows)
     bench_prefill(cp, kin, "2048 q over 65536 keys", [(65536 - 2048, 2048)], 64, rows)
     bench_prefill(cp, kin, "causal 1x8192", [(0, 8192)], 32, rows)
-    # CPSPARSE_BENCH_VARIANTS=1 also times other decode launch plans (tuning runs)
+    # CPSPARSE_BENCH_VARIANTS=1 also times other piece_tiles of the wgmma plan (tuning runs)
     explore = os.environ.get("CPSPARSE_BENCH_VARIANTS") == "1"
-    variants = [(pt, st) for pt in (None, 16, 32, 64) for st in (3, 4)] if explore else []
+    piece_tiles = (16, 32, 64) if explore else ()
     for batch in (64, 256):
         for ctx in (4096, 32768):
             for next_n in (1, 2):
-                v = variants if (batch, ctx) in ((64, 32768), (256, 4096)) else []
-                bench_decode(cp, kin, batch, ctx, next_n, 64, rows, rng, copy_tbs, v)
-    gemm_end = harness.fp8_gemm_tflops()
-    copy_end = harness.copy_bandwidth_tbs()
+                pt = piece_tiles if (batch, ctx) in ((64, 32768), (256, 4096)) else ()
+                bench_decode(cp, kin, batch, ctx, next_n, 64, rows, rng, copy_tbs, pt)
+    gemm_end = timing.fp8_gemm_tflops()
+    copy_end = timing.copy_bandwidth_tbs()
     payload = {"device": info, "copy_tbs": copy_tbs, "copy_tbs_end": copy_end,
                "fp8_gemm_tflops": gemm, "fp8_gemm_tflops_end": gemm_end, "rows": rows,
                "default_path": kin.DEFAULT_PATH, "cpsparse": cpsparse.__version__}

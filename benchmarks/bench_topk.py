@@ -14,6 +14,9 @@ rotated between calls. Two timings each (METHOD.md):
 * graph: REPS calls over the rotating inputs captured in one CUDA graph,
   median replay time / REPS: the kernel time without host launch gaps.
 
+Both through :mod:`cpsparse.timing` (``time_cuda`` / ``time_graph``, and
+``time_torch`` / ``time_graph_torch`` for the peer).
+
 torch.topk is timed both ways too (skipped when torch is missing). A sweep of
 the compiled variants (CTAs per row, threads) is timed on every workload as
 well, and a set-test sanity check runs on a few rows of every workload. Results go to
@@ -25,6 +28,7 @@ import sys
 import numpy as np
 
 from benchmarks import harness
+from cpsparse import timing
 
 K = 2048
 N_INPUTS = 3
@@ -42,35 +46,6 @@ def _set_ok(logits_row, start, end, got_row, k):
     sel = keys[g]
     kth = np.partition(keys, n - k)[n - k]
     return bool(sel.min() == kth and (sel > kth).sum() == (keys > kth).sum())
-
-
-def _graph_time_cupy(cp, call, inputs, reps, iters=10):
-    stream = cp.cuda.Stream(non_blocking=True)
-    cp.cuda.Device().synchronize()
-    with stream:
-        stream.begin_capture()
-        for i in range(reps):
-            call(*inputs[i % len(inputs)])
-        graph = stream.end_capture()
-        t = harness.time_cuda(lambda: graph.launch(stream), [()], warmup=2, iters=iters)
-    return {key: (v / reps if key.endswith("_ms") else v) for key, v in t.items()}
-
-
-def _graph_time_torch(torch, call, inputs, reps, iters=10):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(2):
-            call(*inputs[i % len(inputs)])
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            call(*inputs[i % len(inputs)])
-    t = harness.time_torch(lambda: g.replay(), [()], warmup=2, iters=iters)
-    del g
-    return {key: (v / reps if key.endswith("_ms") else v) for key, v in t.items()}
 
 
 def _workloads():
@@ -93,7 +68,7 @@ def main(argv=None):
     import cpsparse
     from cpsparse import raw_kernels
     from cpsparse.indexer import topk_per_row, topk_per_row_decode
-    from cpsparse.kernels import topk as ktopk
+    from cpsparse.raw_kernels import topk as ktopk
 
     torch = harness.torch_or_none()
     raw_kernels.precompile(["topk"])
@@ -124,8 +99,8 @@ def main(argv=None):
                 topk_per_row_decode(x, _c, 1, K, out=_o)
             cluster = ktopk.choose_cluster(m, width, sms)
         inputs = [(x,) for x in logits]
-        eager = harness.time_cuda(call, inputs, warmup=3, iters=30)
-        graph = _graph_time_cupy(cp, call, inputs, w["reps"])
+        eager = timing.time_cuda(call, inputs, warmup=3, iters=30)
+        graph = timing.time_graph(call, inputs, reps=w["reps"], iters=10)
         # sanity: set test on a few rows of the last input
         call(*inputs[0])
         host_rows = [0, m // 2, m - 1] if m > 2 else list(range(m))
@@ -142,8 +117,8 @@ def main(argv=None):
         if torch is not None:
             tx = [(torch.from_dlpack(x),) for x in logits]
             tcall = lambda x: torch.topk(x, K, dim=-1)  # noqa: E731
-            te = harness.time_torch(tcall, tx, warmup=3, iters=30)
-            tg = _graph_time_torch(torch, tcall, tx, w["reps"])
+            te = timing.time_torch(tcall, tx, warmup=3, iters=30)
+            tg = timing.time_graph_torch(tcall, tx, reps=w["reps"], iters=10)
             rec.update({"torch_eager_us": te["median_ms"] * 1e3,
                         "torch_graph_us": tg["median_ms"] * 1e3,
                         "torch_eager": te, "torch_graph": tg,
@@ -162,7 +137,7 @@ def main(argv=None):
             else:
                 def vcall(x, _c=sweep_ctx, _o=out, _v=v):
                     ktopk.topk_per_row_decode(cp, x, _c, 1, K, _o, variant=_v)
-            t = _graph_time_cupy(cp, vcall, inputs, w["reps"])
+            t = timing.time_graph(vcall, inputs, reps=w["reps"], iters=10)
             variants.append({"workload": w["name"], "variant": v,
                              "ctas_per_row": ktopk.VARIANTS[v][0],
                              "threads": ktopk.VARIANTS[v][1], "graph_us": t["median_ms"] * 1e3})

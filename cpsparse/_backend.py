@@ -7,11 +7,12 @@ NumPy inputs.
 """
 
 import functools
+import warnings
 
 import numpy
 
 __all__ = ["get_array_module", "backend_module", "cupy_module", "is_cupy_array", "gpu_available",
-           "is_stream_capturing"]
+           "is_stream_capturing", "KernelFallbackWarning", "warn_fallback"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -171,3 +172,25 @@ def set_kernels_enabled(enabled):
     previous = _KERNELS_ENABLED[0]
     _KERNELS_ENABLED[0] = bool(enabled)
     return previous
+
+
+class KernelFallbackWarning(UserWarning):
+    """A CuPy call ran the float64 reference on the GPU: no kernel covers its shape."""
+
+
+_FALLBACKS_WARNED = set()
+
+
+def warn_fallback(op, shape, why):
+    """Warn, once per (op, shape), that a CuPy call of ``op`` runs the reference.
+
+    The op decides to fall back (a launcher never does); the fallback is exact
+    but slow, and never silent.
+    """
+    key = (op, shape)
+    if key in _FALLBACKS_WARNED:
+        return
+    _FALLBACKS_WARNED.add(key)
+    warnings.warn(f"cpsparse.{op}: no CUDA kernel covers {why} (shape {shape}); running "
+                  f"the float64 reference on the GPU instead (exact, slow)",
+                  KernelFallbackWarning, stacklevel=3)

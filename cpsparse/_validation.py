@@ -20,7 +20,7 @@ _DEVICE_VALUE_CHECKS = [True]
 # Index arguments (slots, page ids, lengths, windows, indices, request ids) come as the
 # caller has them: int32, or int64 like vLLM's slot_mapping and NumPy's/torch's default
 # integers. The NumPy reference reads both; the CUDA launchers take int32 and convert an
-# int64 array with one saturating pass (cpsparse.kernels.index_i32).
+# int64 array with one saturating pass (cpsparse.raw_kernels.index_i32).
 INDEX_DTYPES = ("int32", "int64")
 # e4m3 codes: uint8 on both backends, or ml_dtypes.float8_e4m3fn arrays on NumPy
 # (viewed as uint8, no copy).
@@ -53,8 +53,15 @@ def value_checks_enabled(xp):
     return _DEVICE_VALUE_CHECKS[0] and not _backend.is_stream_capturing(xp)
 
 
-def _dtype_name(dtype):
-    return numpy.dtype(dtype).name
+_DTYPE_NAMES = {}
+
+
+def _name_of(dtype):
+    """numpy.dtype(dtype).name, memoized by dtype (the hot path of every op call)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = numpy.dtype(dtype).name
+    return name
 
 
 def check_array(name, a, *, ndim=None, dtype=None, shape=None, shape_desc=None,
@@ -75,30 +82,39 @@ def check_array(name, a, *, ndim=None, dtype=None, shape=None, shape_desc=None,
     contiguous : bool
         Require C-contiguity (kernels index raw pointers).
     """
-    if a is None:
-        raise TypeError(f"Invalid {name}: expected an array, got None")
-    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+    try:
+        got_dtype, got_shape = a.dtype, a.shape
+    except AttributeError:
+        if a is None:
+            raise TypeError(f"Invalid {name}: expected an array, got None") from None
         raise TypeError(f"Invalid type of {name}: expected numpy.ndarray or cupy.ndarray, "
-                        f"got {type(a).__qualname__}")
-    if ndim is not None and a.ndim != ndim:
+                        f"got {type(a).__qualname__}") from None
+    rank = len(got_shape)
+    if ndim is not None and rank != ndim:
         desc = shape_desc or f"{ndim} dimensions"
         raise ValueError(f"Invalid shape of {name}: expected {desc} ({ndim}-D), "
-                         f"got {tuple(a.shape)} ({a.ndim}-D)")
+                         f"got {tuple(got_shape)} ({rank}-D)")
     if dtype is not None:
-        accepted = (dtype,) if isinstance(dtype, str) else tuple(dtype)
-        if _dtype_name(a.dtype) not in accepted:
+        got = _name_of(got_dtype)
+        if got != dtype if isinstance(dtype, str) else got not in dtype:
+            accepted = (dtype,) if isinstance(dtype, str) else tuple(dtype)
             raise TypeError(f"Invalid dtype of {name}: expected {' or '.join(accepted)}, "
-                            f"got {_dtype_name(a.dtype)}")
+                            f"got {got}")
     if shape is not None:
-        ok = len(shape) == a.ndim and all(e is None or e == g for e, g in zip(shape, a.shape))
+        ok = len(shape) == rank
+        if ok:
+            for e, g in zip(shape, got_shape):
+                if e is not None and e != g:
+                    ok = False
+                    break
         if not ok:
             want = shape_desc or str(tuple(shape))
             filled = "(" + ", ".join("*" if e is None else str(e) for e in shape) + ")"
             raise ValueError(f"Invalid shape of {name}: expected {want} = {filled}, "
-                             f"got {tuple(a.shape)}")
+                             f"got {tuple(got_shape)}")
     if contiguous and not a.flags.c_contiguous:
         raise ValueError(f"Invalid layout of {name}: expected a C-contiguous array, "
-                         f"got strides {tuple(a.strides)} for shape {tuple(a.shape)}")
+                         f"got strides {tuple(a.strides)} for shape {tuple(got_shape)}")
     return a
 
 
@@ -110,7 +126,7 @@ def check_index(name, a, **kwargs):
 def check_codes(name, a, **kwargs):
     """e4m3 codes as uint8 or float8_e4m3fn; returns the uint8 view the ops compute on."""
     check_array(name, a, dtype=CODE_DTYPES, **kwargs)
-    return a.view(numpy.uint8) if _dtype_name(a.dtype) == "float8_e4m3fn" else a
+    return a.view(numpy.uint8) if _name_of(a.dtype) == "float8_e4m3fn" else a
 
 
 def squeeze_axis(name, a, axis, ndim):

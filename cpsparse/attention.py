@@ -10,7 +10,9 @@ import numpy
 
 from cpsparse import _backend
 from cpsparse import _validation as V
+from cpsparse import paging
 from cpsparse.cache import MLAKVCache
+from cpsparse.raw_kernels import attention as _katt
 from cpsparse.reference import attention as _ref
 from cpsparse.reference import cache as _cache_ref
 
@@ -39,9 +41,8 @@ def _kv_source(kv_cache, dqk, d_v):
         if kv_cache.head_dim != dqk:
             raise ValueError(f"Invalid kv_cache: expected kv_lora_rank + rope_dim = {dqk} "
                              f"(the last dimension of q), got {kv_cache.head_dim}")
-        lora, rope = kv_cache.kv_lora_rank, kv_cache.rope_dim
-        return (kv_cache.records(), lambda rec: _cache_ref.mla_decode(rec, lora, rope),
-                lora if d_v is None else d_v)
+        return (kv_cache.records(), kv_cache._decode,
+                kv_cache.kv_lora_rank if d_v is None else d_v)
     V.check_array("kv_cache", kv_cache, contiguous=True)
     if str(kv_cache.dtype) in V.CODE_DTYPES:
         # A raw fp8_ds_mla array: infer L from D = L + R and T = L + L/32 + 2R.
@@ -136,11 +137,18 @@ def sparse_mla_attention(q, kv_cache, indices, sm_scale, *, d_v=None):
                   shape_desc="[T, topk] or [T, 1, topk]")
     V.check_slots(xp, indices, rows.shape[0], name="indices")
     sm_scale = _check_scale(sm_scale)
+    return sparse_mla_attention_core(xp, q, rows, decode, indices, sm_scale, d_v)
+
+
+def sparse_mla_attention_core(xp, q, rows, decode, indices, sm_scale, d_v):
+    """:func:`sparse_mla_attention` on validated arguments: ``rows`` are the key rows
+    (fp8_ds_mla records when ``decode`` is their decoder, else a dense workspace)."""
     if _backend.use_kernels(xp):
-        from cpsparse.kernels import attention as _katt
-        got = _katt.sparse_mla_attention(xp, q, rows, indices, sm_scale, d_v, decode is not None)
-        if got is not None:
-            return got
+        fp8 = decode is not None
+        if _katt.supports(q.shape, d_v) and _katt.supports_rows(rows, fp8):
+            return _katt.sparse_mla_attention(xp, q, rows, indices, sm_scale, d_v, fp8)
+        _backend.warn_fallback("sparse_mla_attention", tuple(q.shape) + (d_v,),
+                               "this head dim / d_v / record size")
     return _ref.sparse_mla_attention(q, rows, indices, sm_scale, d_v, decode)
 
 
@@ -203,11 +211,17 @@ def dense_mla_attention(q, kv, sm_scale, *, cu_seqlens_q=None, cu_seqlens_k=None
             if cu[-1] != total:
                 raise ValueError(f"Invalid {name}: expected the last entry to be {total}, "
                                  f"got {int(cu[-1])}")
+    return dense_mla_attention_core(xp, q, kv, sm_scale, d_v, cu_q, cu_k)
+
+
+def dense_mla_attention_core(xp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges=None):
+    """:func:`dense_mla_attention` on validated arguments (host int64 cu arrays;
+    ``key_ranges``: the per-query (first key, key count) device arrays, if known)."""
     if _backend.use_kernels(xp):
-        from cpsparse.kernels import attention as _katt
-        got = _katt.dense_mla_attention(xp, q, kv, sm_scale, d_v, cu_q, cu_k)
-        if got is not None:
-            return got
+        if _katt.supports(q.shape, d_v):
+            return _katt.dense_mla_attention(xp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges)
+        _backend.warn_fallback("dense_mla_attention", tuple(q.shape) + (d_v,),
+                               "this head dim / d_v")
     return _ref.dense_mla_attention(q, kv, sm_scale, d_v, cu_q, cu_k)
 
 
@@ -246,7 +260,11 @@ def local_to_global_slots(indices, req_ids, block_table, block_size=64):
                   shape_desc="[R, max_blocks]")
     V.check_slots(xp, indices, block_table.shape[1] * block_size, name="indices")
     V.check_slots(xp, req_ids, block_table.shape[0], name="req_ids", allow_negative_one=False)
+    return local_to_global_slots_core(xp, indices, req_ids, block_table, block_size)
+
+
+def local_to_global_slots_core(xp, indices, req_ids, block_table, block_size):
+    """:func:`local_to_global_slots` on validated arguments."""
     if _backend.use_kernels(xp):
-        from cpsparse.kernels import attention as _katt
         return _katt.local_to_global_slots(xp, indices, req_ids, block_table, block_size)
-    return _ref.local_to_global_slots(indices, req_ids, block_table, block_size)
+    return paging.local_to_global_slots(indices, req_ids, block_table, block_size)

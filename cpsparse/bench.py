@@ -1,85 +1,112 @@
 """``python -m cpsparse.bench``: the seed scenarios and the decode step, end to end.
 
 Scenarios (each prints a progress line per case, then a table; all results go
-to one JSON file, and PNG plots when matplotlib is installed):
+to one JSON file, and PNG plots when matplotlib is installed). Every figure is
+a median with its p10-p90 beside it (:mod:`cpsparse.timing`: warm-up, fresh
+rotating inputs, CUDA events on CuPy, ``perf_counter`` on NumPy).
 
-* ``short_prefill``: one request of L tokens, DeepSeek-V3.2 indexer shapes;
-  indexer latency with the construction gate enabled (the layer's name is
-  passed) vs disabled (``""``); the reduction in %, and the crossover at
-  ``index_topk`` / ``index_topk + 1`` where the skip must stop.
-* ``mtp``: a draft round of 3 steps; indexer + attention time of steps 1+
-  with step-0 top-k reuse vs recomputing the top-k every step.
+* ``short_prefill``: one request of L tokens through a real
+  :class:`cpsparse.mla.DeepseekV32MLA` layer forward, built twice from the same
+  weights: gate enabled by construction (``StaticPlatform(cuda=True)``, not
+  MTP, not index-sharing, no PCP) and disabled (``StaticPlatform(cuda=False)``):
+  the layer decides, the indexer only obeys. Timed: the indexer call inside the
+  forward (``sparse_attn_indexer``, a :class:`cpsparse.timing.Probe`) and the
+  whole forward. The reduction is reported where the gate fires (L <=
+  index_topk); the rows past ``index_topk`` say the gate cannot fire.
+* ``mtp``: a real :class:`cpsparse.mtp.MTPDrafter` round of 3 steps (step 0
+  scores, steps 1+ reuse its top-k) against a round where every step scores
+  again (a ``num_steps=1`` drafter called per step); the time of steps 1+.
 * ``decode_step``: one decode step of a layer, split into projections /
-  indexer scoring / top-k / sparse attention, against the sum of their
-  rooflines; with the scoring + top-k + attention part captured as a CUDA
-  graph and replayed where possible.
+  indexer scoring / top-k / slots / sparse attention (public ops), the eager
+  step, and the scoring + top-k + slots + attention chain captured as a CUDA
+  graph and replayed, against the sum of their rooflines.
 
-On CuPy (a GPU) the sizes are DeepSeek-V3.2's; on NumPy the same scenarios run
-at small sizes so the command works on any machine.
+On CuPy (a GPU) the sizes are DeepSeek-V3.2's (``MLAConfig()``); on NumPy the
+same scenarios run at ``MLAConfig.small()`` sizes so the command works on any
+machine.
 """
 
 import argparse
 import datetime
 import json
 import pathlib
-import statistics
-import time
 
 import numpy
 
 import cpsparse
+from cpsparse import mla as _mla
+from cpsparse import timing
 from cpsparse.attention import local_to_global_slots, sparse_mla_attention
 from cpsparse.cache import IndexerKCache, MLAKVCache
 from cpsparse.demo import pick_backend
-from cpsparse.indexer import (IndexerStats, paged_mqa_logits, sparse_attn_indexer,
-                              topk_per_row_decode)
+from cpsparse.indexer import paged_mqa_logits, topk_per_row_decode
 from cpsparse.metadata import ForwardContext, build_batch
+from cpsparse.mla import DeepseekV32MLA, MLAConfig, init_weights
+from cpsparse.mtp import MTPDrafter
+from cpsparse.platform import StaticPlatform
 from cpsparse.reference import cache as cache_ref
 
 SCENARIOS = ("short_prefill", "mtp", "decode_step")
+
+METHOD = ("cpsparse.timing: warm-up, then every call timed alone over rotating input sets "
+          "(CUDA events on CuPy, perf_counter on NumPy); median with p10/p90 "
+          "(*_p10_p90_ms = [p10, p90]); graph replay = calls captured once in a CUDA "
+          "graph, per call")
+
+WHAT = {
+    "short_prefill": "indexer call (sparse_attn_indexer) inside a real DeepseekV32MLA "
+                     "forward, gate on (StaticPlatform(cuda=True)) vs off "
+                     "(StaticPlatform(cuda=False)); forward_*: the whole layer forward; "
+                     "reduction_pct only where the gate fires (None where L > index_topk: "
+                     "it cannot)",
+    "mtp": "steps 1+ of a real MTPDrafter round (whole layer forwards; reuse: step 0's "
+           "top-k) vs the same steps scoring again (MTPDrafter(num_steps=1) per step); "
+           "round_*: the whole round; *_indexer_calls: indexer calls per round",
+    "decode_step": "public ops of one decode step; attention_ms: sparse_mla_attention "
+                   "alone (slots_ms: local_to_global_slots); sparse_path_ms: sum of the "
+                   "four op medians; eager_step_ms: the four chained, eager; "
+                   "graph_replay_ms: that chain in a CUDA graph, per step",
+}
 
 
 # ---- sizes -------------------------------------------------------------------
 
 def sizes(xp, quick=False):
-    """Workload sizes: DeepSeek-V3.2 on the GPU, scaled down on the CPU."""
+    """Workload sizes: DeepSeek-V3.2 on the GPU, ``MLAConfig.small()`` on the CPU.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cpsparse.bench import sizes
+    >>> s = sizes(np)
+    >>> s["config"], s["topk"], s["topk"] in s["short_lens"], s["topk"] + 1 in s["short_lens"]
+    ('small', 64, True, True)
+    """
     if xp is numpy:
-        return dict(topk=64, index_heads=8, head_dim=128, mla_heads=4, block=64,
-                    short_lens=[16, 32, 64, 65, 128], mtp_batches=[1, 4],
-                    mtp_contexts=[256, 512], decode_batches=[1, 4], decode_contexts=[256, 1024],
-                    iters=5, warmup=1)
-    s = dict(topk=2048, index_heads=64, head_dim=128, mla_heads=128, block=64,
-             short_lens=[256, 1024, 2048, 2049, 4096], mtp_batches=[1, 8, 64],
-             mtp_contexts=[4096, 32768], decode_batches=[1, 8, 32, 64, 128],
-             decode_contexts=[4096, 32768, 131072], iters=20, warmup=3)
-    if quick:
-        s.update(mtp_batches=[8, 64], decode_batches=[64], decode_contexts=[32768], iters=10)
+        s = dict(config="small", short_lens=[16, 32, 64, 65, 128], mtp_batches=[1, 4],
+                 mtp_contexts=[256, 512], mtp_steps=3, decode_batches=[1, 4],
+                 decode_contexts=[256, 1024], iters=5, warmup=1, sets=2)
+    else:
+        s = dict(config="v32", short_lens=[256, 1024, 2048, 2049, 4096],
+                 mtp_batches=[1, 8, 64], mtp_contexts=[4096, 32768], mtp_steps=3,
+                 decode_batches=[1, 8, 32, 64, 128], decode_contexts=[4096, 32768, 131072],
+                 iters=20, warmup=3, sets=3)
+        if quick:
+            s.update(mtp_batches=[8, 64], decode_batches=[64], decode_contexts=[32768],
+                     iters=10)
+    c = layer_config(s)
+    s.update(topk=c.index_topk, index_heads=c.index_n_heads, head_dim=c.index_head_dim,
+             mla_heads=c.num_heads, block=c.block_size, kv_lora_rank=c.kv_lora_rank,
+             rope_dim=c.qk_rope_head_dim)
     return s
 
 
-# ---- timing ------------------------------------------------------------------
+def layer_config(s):
+    """The :class:`MLAConfig` of the sizes ``s`` (``small`` or ``v32``)."""
+    return MLAConfig.small() if s["config"] == "small" else MLAConfig()
 
-def time_op(xp, fn, *, iters, warmup):
-    """Median milliseconds of fn() (CUDA events on CuPy, perf_counter on NumPy)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if xp is numpy:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    else:
-        start, stop = xp.cuda.Event(), xp.cuda.Event()
-        xp.cuda.get_current_stream().synchronize()
-        for _ in range(iters):
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(xp.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
 
+# ---- inputs ------------------------------------------------------------------
 
 def _rng_array(xp, rng, shape, dtype=numpy.float32, scale=1.0):
     return xp.asarray((rng.standard_normal(shape) * scale).astype(dtype))
@@ -119,77 +146,227 @@ def _tables(xp, batch, context, block, extra=1):
     return xp.asarray(numpy.arange(batch * n, dtype=numpy.int32).reshape(batch, n)), batch * n
 
 
-# ---- scenario 1: short-prefill skip -------------------------------------------
+class DecodeStep:
+    """One decode step of a layer as its four public ops, with rotating inputs.
 
-def bench_short_prefill(xp, s, rng, progress):
-    rows = []
+    ``batch`` requests of ``context`` cached tokens, one new token each:
+    indexer scoring (:func:`cpsparse.paged_mqa_logits`), top-k
+    (:func:`cpsparse.topk_per_row_decode`), request-local positions to cache
+    slots (:func:`cpsparse.local_to_global_slots`) and sparse MLA attention over
+    the fp8_ds_mla cache (:func:`cpsparse.sparse_mla_attention`). ``sets``
+    input sets (queries, weights, and each op's precomputed input) rotate:
+    every op takes the set index ``j``; :meth:`step` chains the four.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cpsparse.bench import DecodeStep, sizes
+    >>> d = DecodeStep(np, np.random.default_rng(0), 2, 100, sizes(np), sets=2)
+    >>> out, lse = d.step(1)
+    >>> out.shape, d.inputs
+    ((2, 4, 128), [(0,), (1,)])
+    """
+
+    def __init__(self, xp, rng, batch, context, s, sets=2):
+        self.xp, self.batch, self.context, self.sets = xp, batch, context, sets
+        self.block, self.k = s["block"], s["topk"]
+        self.sm_scale = layer_config(s).sm_scale
+        self.table, blocks = _tables(xp, batch, context, s["block"])
+        self.icache = IndexerKCache(blocks, s["block"], s["head_dim"], xp=xp)
+        self.mcache = MLAKVCache(blocks, s["block"], s["kv_lora_rank"], s["rope_dim"], xp=xp)
+        _fill_indexer_cache(xp, rng, self.icache, blocks * s["block"])
+        _fill_mla_cache(xp, rng, self.mcache, blocks * s["block"])
+        self.lens = xp.full(batch, context, dtype=xp.int32)
+        self.req_ids = xp.arange(batch, dtype=xp.int32)
+        self.q8, self.w = [], []
+        for _ in range(sets):
+            q8, w, _ = _indexer_inputs(xp, rng, batch, s["index_heads"], s["head_dim"])
+            self.q8.append(q8.reshape(batch, 1, s["index_heads"], s["head_dim"]))
+            self.w.append(w)
+        dim = s["kv_lora_rank"] + s["rope_dim"]
+        self.q = [_rng_array(xp, rng, (batch, s["mla_heads"], dim), scale=0.1)
+                  for _ in range(sets)]
+        self.buf = xp.full((batch, self.k), -1, dtype=xp.int32)
+        # each op's own input, per set, so that every op alone rotates too
+        self.logits = [self.scoring(j) for j in range(sets)]
+        self.rows = [topk_per_row_decode(lg, self.lens, 1, self.k) for lg in self.logits]
+        self.slot_sets = [self.slots(j) for j in range(sets)]
+
+    @property
+    def inputs(self):
+        """The argument tuples to rotate over: ``[(0,), (1,), ...]``."""
+        return [(j,) for j in range(self.sets)]
+
+    def scoring(self, j):
+        return paged_mqa_logits(self.q8[j], self.icache, self.w[j], self.lens, self.table,
+                                self.context)
+
+    def topk(self, j):
+        return topk_per_row_decode(self.logits[j], self.lens, 1, self.k, out=self.buf)
+
+    def slots(self, j):
+        return local_to_global_slots(self.rows[j], self.req_ids, self.table, self.block)
+
+    def attention(self, j):
+        return sparse_mla_attention(self.q[j], self.mcache, self.slot_sets[j], self.sm_scale)
+
+    def step(self, j):
+        """Scoring + top-k + slots + attention of set ``j``: (out, lse)."""
+        logits = self.scoring(j)
+        topk_per_row_decode(logits, self.lens, 1, self.k, out=self.buf)
+        slots = local_to_global_slots(self.buf, self.req_ids, self.table, self.block)
+        return sparse_mla_attention(self.q[j], self.mcache, slots, self.sm_scale)
+
+
+def _spread(t):
+    """[p10, p90] of a timing dict (ms)."""
+    return [t["p10_ms"], t["p90_ms"]]
+
+
+def _pm(t):
+    return f"{t['median_ms']:.3f} ms (p10-p90 {t['p10_ms']:.3f}-{t['p90_ms']:.3f})"
+
+
+# ---- scenario 1: short-prefill skip, decided by the layer --------------------------
+
+def _indexer_entry():
+    """The name under which :mod:`cpsparse.mla` calls the indexer orchestration.
+
+    The probe wraps it for the timed forwards; its count check (one interval per
+    forward) proves the layer really called it.
+    """
+    for name in ("sparse_attn_indexer_core", "sparse_attn_indexer"):
+        if callable(getattr(_mla, name, None)):
+            return name
+    raise RuntimeError("cpsparse.mla calls no sparse_attn_indexer[_core]: update "
+                       "cpsparse.bench._indexer_entry")
+
+
+def bench_short_prefill(xp, s, rng, progress, weights):
+    """Gate on vs off by construction of two real layers; one row per prefill length."""
+    cfg = layer_config(s)
     name = "layers.0.attn"
+    longest = max(s["short_lens"])
+    blocks = -(-longest // cfg.block_size)
+    table = xp.asarray(numpy.arange(blocks, dtype=numpy.int32)[None])
+    layers = {True: DeepseekV32MLA(cfg, name, platform=StaticPlatform(cuda=True),
+                                   weights=weights, xp=xp),
+              False: DeepseekV32MLA(cfg, name, platform=StaticPlatform(cuda=False),
+                                    weights=weights, xp=xp)}
+    for enabled, layer in layers.items():
+        if layer.enable_short_prefill_scoring_skip != enabled:
+            raise AssertionError(f"construction gate of {layer!r}: expected "
+                                 f"{'enabled' if enabled else 'disabled'}")
+        layer.allocate_kv_cache(blocks, max_num_tokens=longest)
+    it = dict(warmup=s["warmup"], iters=s["iters"])
+    rows = []
     for length in s["short_lens"]:
-        table, blocks = _tables(xp, 1, length, s["block"])
-        cache = IndexerKCache(blocks, s["block"], s["head_dim"], xp=xp)
-        meta = build_batch([length], [0], table, block_size=s["block"], index_topk=s["topk"])
+        meta = build_batch([length], [0], table, block_size=cfg.block_size,
+                           index_topk=cfg.index_topk)
         ctx = ForwardContext.for_layers(meta, [name])
-        q8, w, k = _indexer_inputs(xp, rng, length, s["index_heads"], s["head_dim"])
-        buf = xp.full((length, s["topk"]), -1, dtype=xp.int32)
-        stats = {True: IndexerStats(), False: IndexerStats()}
-
-        def run(enabled):
-            sparse_attn_indexer(q8, w, k, cache, meta, buf, forward_context=ctx,
-                                dense_mha_metadata_layer_name=name if enabled else "",
-                                stats=stats[enabled])
-
-        t_on = time_op(xp, lambda: run(True), iters=s["iters"], warmup=s["warmup"])
-        t_off = time_op(xp, lambda: run(False), iters=s["iters"], warmup=s["warmup"])
-        row = dict(tokens=length, topk=s["topk"], use_dense_mha=meta.mla.prefill.use_dense_mha,
-                   skip_fired=stats[True].skipped > 0, gate_on_ms=t_on, gate_off_ms=t_off,
-                   reduction_pct=100.0 * (1 - t_on / t_off))
+        xs = [(_rng_array(xp, rng, (length, cfg.hidden_size)),) for _ in range(s["sets"])]
+        t = {}
+        for enabled, layer in layers.items():
+            layer.indexer.stats.reset()
+            layer.attention_stats.reset()
+            probe = timing.Probe(xp)
+            with probe.patch(_mla, _indexer_entry()):
+                t[enabled] = timing.time_op(
+                    xp, lambda x, layer=layer: layer.forward(x, forward_context=ctx), xs,
+                    probe=probe, **it)
+        on, off = layers[True].indexer.stats, layers[False].indexer.stats
+        can_fire = bool(meta.mla.prefill.use_dense_mha)
+        fired = on.skipped > 0
+        idx_on, idx_off = t[True]["inner"], t[False]["inner"]
+        if fired:
+            gate = "fires (L <= index_topk)"
+        elif can_fire:
+            gate = "did not fire"
+        else:
+            gate = "cannot fire (L > index_topk)"
+        row = dict(tokens=length, topk=cfg.index_topk, use_dense_mha=can_fire,
+                   skip_fired=fired, gate=gate,
+                   gate_on_ms=idx_on["median_ms"], gate_on_p10_p90_ms=_spread(idx_on),
+                   gate_off_ms=idx_off["median_ms"], gate_off_p10_p90_ms=_spread(idx_off),
+                   reduction_pct=(100.0 * (1 - idx_on["median_ms"] / idx_off["median_ms"])
+                                  if fired else None),
+                   forward_on_ms=t[True]["median_ms"], forward_on_p10_p90_ms=_spread(t[True]),
+                   forward_off_ms=t[False]["median_ms"],
+                   forward_off_p10_p90_ms=_spread(t[False]),
+                   gate_on_skipped=on.skipped, gate_off_skipped=off.skipped,
+                   forwards=layers[True].attention_stats.forwards, iters=idx_on["iters"])
         rows.append(row)
-        progress(f"short_prefill L={length}: gate on {t_on:.3f} ms, off {t_off:.3f} ms, "
-                 f"reduction {row['reduction_pct']:.1f}% (skip fired: {row['skip_fired']})")
+        tail = (f"reduction {row['reduction_pct']:.1f}%" if fired
+                else f"gate {gate}: not a reduction")
+        progress(f"short_prefill L={length}: indexer gate on {_pm(idx_on)}, off {_pm(idx_off)}; "
+                 f"{tail}; forward on {_pm(t[True])}, off {_pm(t[False])}")
     return rows
 
 
-# ---- scenario 2: MTP reuse ------------------------------------------------------
+# ---- scenario 2: MTP reuse through the real drafter ------------------------------
 
-def _attention_step(xp, q, cache, rows, req_ids, table, block, sm_scale):
-    slots = local_to_global_slots(rows, req_ids, table, block)
-    return sparse_mla_attention(q, cache, slots, sm_scale)
-
-
-def bench_mtp(xp, s, rng, progress, steps=3):
+def bench_mtp(xp, s, rng, progress, weights):
+    """Steps 1+ of an MTPDrafter round (reuse) vs the same steps scoring again."""
+    cfg = layer_config(s)
+    steps = s["mtp_steps"]
+    name = "mtp.0.attn"
+    layer = DeepseekV32MLA(cfg, name, is_mtp_layer=True, platform=StaticPlatform(cuda=True),
+                           weights=weights, xp=xp)
+    drafter, single = MTPDrafter(layer, steps), MTPDrafter(layer, 1)
+    it = dict(warmup=s["warmup"], iters=s["iters"])
+    rounds = it["warmup"] + it["iters"]
     rows = []
-    sm_scale = cpsparse.softmax_scale()
     for batch in s["mtp_batches"]:
         for context in s["mtp_contexts"]:
-            table, blocks = _tables(xp, batch, context, s["block"], extra=steps)
-            icache = IndexerKCache(blocks, s["block"], s["head_dim"], xp=xp)
-            mcache = MLAKVCache(blocks, s["block"], xp=xp)
-            _fill_indexer_cache(xp, rng, icache, blocks * s["block"])
-            _fill_mla_cache(xp, rng, mcache, blocks * s["block"])
-            # a draft step: one token per request at position context + step
-            meta = build_batch([1] * batch, [context] * batch, table, block_size=s["block"],
-                               index_topk=s["topk"])
-            q8, w, k = _indexer_inputs(xp, rng, batch, s["index_heads"], s["head_dim"])
-            q = _rng_array(xp, rng, (batch, s["mla_heads"], 576), scale=0.1)
-            buf = xp.full((batch, s["topk"]), -1, dtype=xp.int32)
-            ctx = ForwardContext.for_layers(meta, [])
-            sparse_attn_indexer(q8, w, k, icache, meta, buf, forward_context=ctx)  # step 0 rows
+            table, blocks = _tables(xp, batch, context, cfg.block_size, extra=steps)
+            layer.allocate_kv_cache(blocks, max_num_tokens=batch)
+            _fill_indexer_cache(xp, rng, layer.indexer_cache, blocks * cfg.block_size)
+            _fill_mla_cache(xp, rng, layer.mla_cache, blocks * cfg.block_size)
+            # step i: one token per request at position context + i
+            ctxs = [ForwardContext.for_layers(
+                build_batch([1] * batch, [context + i] * batch, table,
+                            block_size=cfg.block_size, index_topk=cfg.index_topk), [name])
+                for i in range(steps)]
+            xs = [[_rng_array(xp, rng, (batch, cfg.hidden_size)) for _ in range(steps)]
+                  for _ in range(s["sets"])]
+            probe = timing.Probe(xp)
 
-            def reuse():
-                _attention_step(xp, q, mcache, buf, meta.req_ids, table, s["block"], sm_scale)
+            def reuse(j):
+                def next_step(step, _previous):
+                    if step == 1:
+                        probe.start()
+                    return xs[j][step], ctxs[step]
+                drafter.run_round(xs[j][0], ctxs[0], next_step)
+                probe.stop()
 
-            def recompute():
-                sparse_attn_indexer(q8, w, k, icache, meta, buf, forward_context=ctx)
-                _attention_step(xp, q, mcache, buf, meta.req_ids, table, s["block"], sm_scale)
+            def recompute(j):
+                single.run_round(xs[j][0], ctxs[0], None)
+                probe.start()
+                for step in range(1, steps):
+                    single.run_round(xs[j][step], ctxs[step], None)
+                probe.stop()
 
-            t_reuse = (steps - 1) * time_op(xp, reuse, iters=s["iters"], warmup=s["warmup"])
-            t_recompute = (steps - 1) * time_op(xp, recompute, iters=s["iters"],
-                                                warmup=s["warmup"])
-            row = dict(batch=batch, context=context, steps=steps, reuse_ms=t_reuse,
-                       recompute_ms=t_recompute, speedup=t_recompute / t_reuse)
+            inputs = [(j,) for j in range(s["sets"])]
+            layer.indexer.stats.reset()
+            t_reuse = timing.time_op(xp, reuse, inputs, probe=probe, **it)
+            calls_reuse = layer.indexer.stats.calls / rounds
+            layer.indexer.stats.reset()
+            t_recompute = timing.time_op(xp, recompute, inputs, probe=probe, **it)
+            calls_recompute = layer.indexer.stats.calls / rounds
+            r, c = t_reuse["inner"], t_recompute["inner"]
+            row = dict(batch=batch, context=context, steps=steps,
+                       reuse_ms=r["median_ms"], reuse_p10_p90_ms=_spread(r),
+                       recompute_ms=c["median_ms"], recompute_p10_p90_ms=_spread(c),
+                       speedup=c["median_ms"] / r["median_ms"],
+                       round_reuse_ms=t_reuse["median_ms"],
+                       round_recompute_ms=t_recompute["median_ms"],
+                       reuse_indexer_calls=calls_reuse,
+                       recompute_indexer_calls=calls_recompute, iters=r["iters"])
             rows.append(row)
-            progress(f"mtp B={batch} ctx={context}: steps 1..{steps - 1} reuse {t_reuse:.3f} ms,"
-                     f" recompute {t_recompute:.3f} ms, {row['speedup']:.2f}x")
+            progress(f"mtp B={batch} ctx={context}: steps 1..{steps - 1} reuse {_pm(r)}, "
+                     f"recompute {_pm(c)}, {row['speedup']:.2f}x (indexer calls per round "
+                     f"{calls_reuse:g} vs {calls_recompute:g})")
+            layer.mla_cache = layer.indexer_cache = None
     return rows
 
 
@@ -203,137 +380,101 @@ def _projection_shapes(mla_heads):
 
 def bench_decode_step(xp, s, rng, progress, ceilings):
     rows = []
-    sm_scale = cpsparse.softmax_scale()
+    it = dict(warmup=s["warmup"], iters=s["iters"])
     for batch in s["decode_batches"]:
         for context in s["decode_contexts"]:
             if xp is not numpy and batch * context * (656 + 132 + 8) > 40e9:
                 continue                                    # keep well inside 141 GB
-            table, blocks = _tables(xp, batch, context, s["block"])
-            icache = IndexerKCache(blocks, s["block"], s["head_dim"], xp=xp)
-            mcache = MLAKVCache(blocks, s["block"], xp=xp)
-            _fill_indexer_cache(xp, rng, icache, blocks * s["block"])
-            _fill_mla_cache(xp, rng, mcache, blocks * s["block"])
-            lens = xp.full(batch, context, dtype=xp.int32)
-            q8, w, _ = _indexer_inputs(xp, rng, batch, s["index_heads"], s["head_dim"])
-            q8 = q8.reshape(batch, 1, s["index_heads"], s["head_dim"])
-            q = _rng_array(xp, rng, (batch, s["mla_heads"], 576), scale=0.1)
-            req_ids = xp.arange(batch, dtype=xp.int32)
-            buf = xp.full((batch, s["topk"]), -1, dtype=xp.int32)
-            logits = paged_mqa_logits(q8, icache, w, lens, table, context)
-
-            def scoring():
-                return paged_mqa_logits(q8, icache, w, lens, table, context)
-
-            def topk():
-                topk_per_row_decode(logits, lens, 1, s["topk"], out=buf)
-
-            def attention():
-                _attention_step(xp, q, mcache, buf, req_ids, table, s["block"], sm_scale)
-
-            it = dict(iters=s["iters"], warmup=s["warmup"])
-            t_score, t_topk = time_op(xp, scoring, **it), time_op(xp, topk, **it)
-            t_attn = time_op(xp, attention, **it)
+            d = DecodeStep(xp, rng, batch, context, s, sets=s["sets"])
+            t = {name: timing.time_op(xp, getattr(d, name), d.inputs, **it)
+                 for name in ("scoring", "topk", "slots", "attention", "step")}
             t_proj = None
             if xp is not numpy:
                 mats = [(xp.asarray(rng.standard_normal((batch, i)).astype(numpy.float32)),
                          xp.asarray((rng.standard_normal((i, o)) * 0.01).astype(numpy.float32)))
                         for i, o in _projection_shapes(s["mla_heads"])]
-                t_proj = time_op(xp, lambda: [a @ b for a, b in mats], **it)
-            graph_ms, graph_note = _graph_replay(xp, [scoring, topk, attention], it)
+                t_proj = timing.time_op(xp, lambda: [a @ b for a, b in mats], **it)
+            graph, graph_note = timing.try_time_graph(xp, d.step, d.inputs, reps=2 * d.sets,
+                                                      iters=s["iters"])
+            if graph is not None:
+                graph_note = "captured: scoring + top-k + slots + attention, " + \
+                    f"{graph['reps']} steps per graph"
             roof = _decode_roofline(batch, context, s, ceilings)
-            total = t_score + t_topk + t_attn
-            row = dict(batch=batch, context=context, projections_ms=t_proj, indexer_ms=t_score,
-                       topk_ms=t_topk, attention_ms=t_attn, sparse_path_ms=total,
-                       graph_replay_ms=graph_ms, graph_note=graph_note, roofline_ms=roof,
+            total = sum(t[k]["median_ms"] for k in ("scoring", "topk", "slots", "attention"))
+            graph_ms = graph["median_ms"] if graph else None
+            row = dict(batch=batch, context=context,
+                       projections_ms=t_proj["median_ms"] if t_proj else None,
+                       indexer_ms=t["scoring"]["median_ms"], topk_ms=t["topk"]["median_ms"],
+                       slots_ms=t["slots"]["median_ms"],
+                       attention_ms=t["attention"]["median_ms"], sparse_path_ms=total,
+                       eager_step_ms=t["step"]["median_ms"],
+                       eager_step_p10_p90_ms=_spread(t["step"]),
+                       graph_replay_ms=graph_ms,
+                       graph_replay_p10_p90_ms=_spread(graph) if graph else None,
+                       graph_note=graph_note, roofline_ms=roof,
                        vs_roofline=(total / roof) if roof else None,
-                       graph_vs_roofline=(graph_ms / roof) if roof and graph_ms else None)
+                       graph_vs_roofline=(graph_ms / roof) if roof and graph_ms else None,
+                       iters=t["step"]["iters"])
+            for key, name in (("indexer", "scoring"), ("topk", "topk"), ("slots", "slots"),
+                              ("attention", "attention")):
+                row[f"{key}_p10_p90_ms"] = _spread(t[name])
             rows.append(row)
-            progress(f"decode_step B={batch} ctx={context}: indexer {t_score:.3f} + top-k "
-                     f"{t_topk:.3f} + attention {t_attn:.3f} ms"
+            progress(f"decode_step B={batch} ctx={context}: indexer "
+                     f"{t['scoring']['median_ms']:.3f} + top-k {t['topk']['median_ms']:.3f} + "
+                     f"slots {t['slots']['median_ms']:.3f} + attention "
+                     f"{t['attention']['median_ms']:.3f} ms; eager step {_pm(t['step'])}"
+                     + (f", graph {_pm(graph)}" if graph else "")
                      + (f" = {row['vs_roofline']:.2f}x roofline" if roof else ""))
-            del icache, mcache
+            del d
     return rows
 
 
-def _graph_replay(xp, fns, it):
-    """Capture fns on a CUDA graph and time its replay; (ms, note)."""
-    if xp is numpy:
-        return None, "no CUDA graphs on the NumPy backend"
-    stream = xp.cuda.Stream(non_blocking=True)
-    try:
-        with stream:
-            stream.begin_capture()
-            try:
-                for fn in fns:
-                    fn()
-            finally:
-                graph = stream.end_capture()
-        with stream:                 # events on the replay stream, not the null stream
-            ms = time_op(xp, lambda: graph.launch(stream), **it)
-        return ms, "captured: scoring + top-k + attention"
-    except Exception as exc:  # noqa: BLE001 - report why capture is not possible
-        return None, f"not capturable: {type(exc).__name__}: {str(exc)[:120]}"
-
-
 def _decode_roofline(batch, context, s, ceilings):
-    """Sum of the three rooflines in ms (bytes / copy rate, FLOPs / bf16 rate)."""
+    """Sum of the rooflines in ms (bytes / copy rate, FLOPs / bf16 rate)."""
     bw = ceilings.get("copy_tbs")
     mm = ceilings.get("bf16_tflops")
     if not bw:
         return None
     keys = batch * context
-    score_bytes = keys * 132 + keys * 4                       # read keys, write logits
+    lora, rope = s["kv_lora_rank"], s["rope_dim"]
+    record = cache_ref.mla_token_bytes(lora, rope)
+    score_bytes = keys * (s["head_dim"] + 4) + keys * 4       # read keys, write logits
     topk_bytes = keys * 4 + batch * s["topk"] * 4
-    attn_bytes = batch * s["topk"] * 656
-    t = (score_bytes + topk_bytes + attn_bytes) / (bw * 1e12)
+    slots_bytes = 2 * batch * s["topk"] * 4
+    attn_bytes = batch * s["topk"] * record
+    t = (score_bytes + topk_bytes + slots_bytes + attn_bytes) / (bw * 1e12)
     if mm:
-        t += 2 * batch * s["mla_heads"] * s["topk"] * (576 + 512) / (mm * 1e12)
+        t += 2 * batch * s["mla_heads"] * s["topk"] * (lora + rope + lora) / (mm * 1e12)
     return t * 1e3
-
-
-def measure_ceilings(xp):
-    """Copy bandwidth (CuPy) and the bf16 matrix rate (torch, when installed)."""
-    if xp is numpy:
-        return {}
-    n = 1 << 29
-    a = xp.ones(n, dtype=xp.float32)
-    b = xp.empty_like(a)
-    ms = time_op(xp, lambda: b.__setitem__(slice(None), a), iters=10, warmup=2)
-    out = {"copy_tbs": 2 * 4 * n / (ms * 1e-3) / 1e12}
-    del a, b
-    try:
-        import torch
-        x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        for _ in range(3):
-            x @ y
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            x @ y
-        stop.record()
-        stop.synchronize()
-        out["bf16_tflops"] = 2 * 8192 ** 3 * 10 / (start.elapsed_time(stop) * 1e-3) / 1e12
-    except Exception:  # noqa: BLE001 - torch is an optional peer
-        pass
-    return out
 
 
 # ---- reporting -------------------------------------------------------------------
 
 COLUMNS = {
     "short_prefill": ["tokens", "topk", "use_dense_mha", "skip_fired", "gate_on_ms",
-                      "gate_off_ms", "reduction_pct"],
-    "mtp": ["batch", "context", "steps", "reuse_ms", "recompute_ms", "speedup"],
-    "decode_step": ["batch", "context", "projections_ms", "indexer_ms", "topk_ms",
-                    "attention_ms", "sparse_path_ms", "graph_replay_ms", "roofline_ms",
-                    "vs_roofline", "graph_vs_roofline"],
+                      "gate_on_p10_p90_ms", "gate_off_ms", "gate_off_p10_p90_ms",
+                      "reduction_pct", "forward_on_ms", "forward_off_ms", "gate"],
+    "mtp": ["batch", "context", "steps", "reuse_ms", "reuse_p10_p90_ms", "recompute_ms",
+            "recompute_p10_p90_ms", "speedup", "reuse_indexer_calls",
+            "recompute_indexer_calls"],
+    "decode_step": ["batch", "context", "projections_ms", "indexer_ms", "topk_ms", "slots_ms",
+                    "attention_ms", "sparse_path_ms", "eager_step_ms",
+                    "eager_step_p10_p90_ms", "graph_replay_ms", "graph_replay_p10_p90_ms",
+                    "roofline_ms", "vs_roofline", "graph_vs_roofline"],
 }
 
 
 def table_lines(rows, columns):
-    """Rows (dicts) as aligned text lines of ``columns`` (header, rule, rows)."""
+    """Rows (dicts) as aligned text lines of ``columns`` (header, rule, rows).
+
+    Examples
+    --------
+    >>> from cpsparse.bench import table_lines
+    >>> print("\\n".join(table_lines([{"a": 1.23456, "b": [0.5, 2.0]}], ["a", "b"])))
+        a      b
+    -----  -----
+    1.235  0.5-2
+    """
     cells = [[str(c) for c in columns]] + [[_fmt(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
@@ -348,6 +489,8 @@ def print_table(title, rows, columns):
 def _fmt(v):
     if v is None:
         return "-"
+    if isinstance(v, (list, tuple)):
+        return "-".join(_fmt(x) for x in v)
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
@@ -366,14 +509,16 @@ def plot(results, out_dir):
     if rows:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         xs = [str(r["tokens"]) for r in rows]
-        ax.bar([i - 0.2 for i in range(len(xs))], [r["gate_off_ms"] for r in rows], 0.4,
-               label="gate disabled")
-        ax.bar([i + 0.2 for i in range(len(xs))], [r["gate_on_ms"] for r in rows], 0.4,
-               label="gate enabled")
+        for shift, key, label in ((-0.2, "gate_off", "gate disabled"),
+                                  (0.2, "gate_on", "gate enabled")):
+            med = [r[f"{key}_ms"] for r in rows]
+            err = [[m - r[f"{key}_p10_p90_ms"][0] for m, r in zip(med, rows)],
+                   [r[f"{key}_p10_p90_ms"][1] - m for m, r in zip(med, rows)]]
+            ax.bar([i + shift for i in range(len(xs))], med, 0.4, yerr=err, label=label)
         ax.set_xticks(range(len(xs)), xs)
         ax.set_xlabel(f"prefill tokens (index_topk {rows[0]['topk']})")
-        ax.set_ylabel("indexer latency (ms)")
-        ax.set_title("Short-prefill skip")
+        ax.set_ylabel("indexer time in the layer forward (ms)")
+        ax.set_title("Short-prefill skip (construction gate)")
         ax.legend()
         files.append(_save(fig, out_dir, "short_prefill.png"))
     rows = results["scenarios"].get("mtp")
@@ -384,7 +529,7 @@ def plot(results, out_dir):
         ax.axhline(2.0, color="gray", ls="--", label="target 2.0x")
         ax.set_xticks(range(len(rows)), labels, fontsize=7)
         ax.set_ylabel("steps 1+: recompute / reuse")
-        ax.set_title("MTP step-0 top-k reuse")
+        ax.set_title("MTP step-0 top-k reuse (MTPDrafter)")
         ax.legend()
         files.append(_save(fig, out_dir, "mtp_reuse.png"))
     rows = results["scenarios"].get("decode_step")
@@ -392,7 +537,7 @@ def plot(results, out_dir):
         fig, ax = plt.subplots(figsize=(7, 3.5))
         labels = [f"B={r['batch']}\n{r['context'] // 1024}K" for r in rows]
         bottom = [0.0] * len(rows)
-        for key in ("projections_ms", "indexer_ms", "topk_ms", "attention_ms"):
+        for key in ("projections_ms", "indexer_ms", "topk_ms", "slots_ms", "attention_ms"):
             vals = [r.get(key) or 0.0 for r in rows]
             ax.bar(range(len(rows)), vals, bottom=bottom, label=key[:-3])
             bottom = [b + v for b, v in zip(bottom, vals)]
@@ -424,16 +569,16 @@ def run(backend="auto", scenarios=SCENARIOS, out_dir=None, quick=False, seed=0,
     # a production loop. NumPy inputs are always checked.
     previous_checks = cpsparse.set_device_value_checks(False)
     try:
-        return _run(xp, backend, scenarios, out_dir, quick, rng, s, progress)
+        return _run(xp, backend, scenarios, out_dir, quick, rng, s, progress, seed)
     finally:
         cpsparse.set_device_value_checks(previous_checks)
 
 
-def _run(xp, backend, scenarios, out_dir, quick, rng, s, progress):
-    ceilings = measure_ceilings(xp)
+def _run(xp, backend, scenarios, out_dir, quick, rng, s, progress, seed):
+    ceilings = timing.measure_ceilings(xp)
     results = {"backend": backend, "date": datetime.date.today().isoformat(),
                "cpsparse": cpsparse.__version__, "sizes": s, "ceilings": ceilings,
-               "scenarios": {}}
+               "method": METHOD, "what": {k: WHAT[k] for k in scenarios}, "scenarios": {}}
     if xp is not numpy:
         props = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)
         results["device"] = props["name"].decode() if isinstance(props["name"], bytes) \
@@ -441,8 +586,16 @@ def _run(xp, backend, scenarios, out_dir, quick, rng, s, progress):
     progress(f"cpsparse.bench on {backend}" + (f" ({results.get('device')})"
                                                 if xp is not numpy else " (small sizes)")
              + "".join(f", {k} {v:.4g}" for k, v in ceilings.items()))
-    runners = {"short_prefill": lambda: bench_short_prefill(xp, s, rng, progress),
-               "mtp": lambda: bench_mtp(xp, s, rng, progress),
+    weights = {}
+
+    def layer_weights():                 # one set of layer weights, drawn once per run
+        if not weights:
+            weights.update(init_weights(layer_config(s), seed))
+        return weights
+
+    runners = {"short_prefill": lambda: bench_short_prefill(xp, s, rng, progress,
+                                                            layer_weights()),
+               "mtp": lambda: bench_mtp(xp, s, rng, progress, layer_weights()),
                "decode_step": lambda: bench_decode_step(xp, s, rng, progress, ceilings)}
     for name in scenarios:
         results["scenarios"][name] = runners[name]()

@@ -10,7 +10,8 @@ import numpy
 
 from cpsparse import _backend
 from cpsparse import _validation as V
-from cpsparse.kernels import quant as _kquant
+from cpsparse import paging
+from cpsparse.raw_kernels import quant as _kquant
 from cpsparse.reference import cache as _ref
 from cpsparse.reference import fp8 as _fp8
 
@@ -143,8 +144,14 @@ class IndexerKCache:
         V.check_array("k", k, ndim=2, dtype=V.FLOAT_DTYPES, shape=(None, self.head_dim),
                       shape_desc="[N, head_dim]")
         _check_slot_mapping(xp, slot_mapping, k.shape[0], self.num_slots)
-        if _backend.use_kernels(xp) and _kquant.supports_group(self.head_dim):
-            return _kquant.indexer_insert(xp, self, k, slot_mapping, self.KEY_EPS)
+        self.insert_core(xp, k, slot_mapping)
+
+    def insert_core(self, xp, k, slot_mapping):
+        """:meth:`insert` without validation (the layer path validated its batch)."""
+        if _backend.use_kernels(xp):
+            if _kquant.supports_group(self.head_dim):
+                return _kquant.indexer_insert(xp, self, k, slot_mapping, self.KEY_EPS)
+            _backend.warn_fallback("IndexerKCache.insert", (self.head_dim,), "this head_dim")
         codes, scales = _fp8.quantize_groups(k, self.head_dim, self.scale_fmt, self.KEY_EPS)
         _ref.indexer_insert(self.data, self.block_size, self.head_dim, codes,
                             scales.reshape(-1), slot_mapping)
@@ -186,9 +193,22 @@ class IndexerKCache:
         cu = V.check_cu_seq_lens(xp, cu_seq_lens)
         lens = numpy.diff(cu)
         V.check_block_table(xp, lens, block_table, self.block_size, self.num_blocks)
-        if _backend.use_kernels(xp) and _kquant.supports_group(self.head_dim):
-            return _kquant.indexer_gather(xp, self, block_table, cu_seq_lens, cu)
-        blocks, offsets = _ref.request_positions(cu, block_table, self.block_size)
+        return self.gather_core(xp, block_table, cu_seq_lens, cu)
+
+    def gather_core(self, xp, block_table, cu_seq_lens, cu_host, key_req_ids=None):
+        """:meth:`gather` without validation. ``cu_host`` is the host int64 copy of
+        ``cu_seq_lens``; ``key_req_ids`` (int32 [N], the request of each key, on the
+        cache's device) spares the upload the kernel path needs otherwise (the batch
+        metadata carries it)."""
+        if _backend.use_kernels(xp):
+            if _kquant.supports_group(self.head_dim):
+                if key_req_ids is None:
+                    key_req_ids = xp.asarray(paging.expand(numpy.diff(cu_host))[0]
+                                             .astype(numpy.int32))
+                return _kquant.indexer_gather(xp, self, block_table, cu_seq_lens,
+                                              int(cu_host[-1]), key_req_ids)
+            _backend.warn_fallback("IndexerKCache.gather", (self.head_dim,), "this head_dim")
+        blocks, offsets = _ref.request_positions(cu_host, block_table, self.block_size)
         return _ref.indexer_read(self.data, self.block_size, self.head_dim, blocks, offsets)
 
 
@@ -258,6 +278,8 @@ class MLAKVCache:
         self.kv_lora_rank = kv_lora_rank
         self.rope_dim = rope_dim
         self.xp = _backend.get_array_module(data=data)
+        self._records = data.reshape(-1, data.shape[-1])     # one view, made once
+        self._decode = self._decode_records
 
     num_blocks = property(lambda self: self.data.shape[0])
     block_size = property(lambda self: self.data.shape[1])
@@ -272,7 +294,11 @@ class MLAKVCache:
 
     def records(self):
         """uint8 [num_slots, token_bytes] view: one record per slot."""
-        return self.data.reshape(-1, self.token_bytes)
+        return self._records
+
+    def _decode_records(self, records):
+        """float32 [N, L + R] rows of records [N, token_bytes] (the reference decoder)."""
+        return _ref.mla_decode(records, self.kv_lora_rank, self.rope_dim)
 
     def insert(self, kv_c, k_pe, slot_mapping):
         """Quantize and store latents kv_c [N, L] and RoPE keys k_pe [N, R]; slot -1 skipped."""
@@ -283,7 +309,16 @@ class MLAKVCache:
         V.check_array("k_pe", k_pe, ndim=2, dtype=V.FLOAT_DTYPES,
                       shape=(kv_c.shape[0], self.rope_dim), shape_desc="[N, rope_dim]")
         _check_slot_mapping(xp, slot_mapping, kv_c.shape[0], self.num_slots)
-        _ref.mla_insert(self.data, _ref.mla_encode(kv_c, k_pe), slot_mapping)
+        self.insert_core(kv_c, k_pe, slot_mapping)
+
+    def insert_core(self, kv_c, k_pe, slot_mapping):
+        """:meth:`insert` without validation (the layer path validated its batch)."""
+        records = _ref.mla_encode(kv_c, k_pe)          # elementwise: no host sync
+        xp = self.xp
+        if _backend.use_kernels(xp) and self.token_bytes % 4 == 0 \
+                and self.data.data.ptr % 4 == 0:
+            return _kquant.scatter_records(xp, self.data, records, slot_mapping)
+        _ref.mla_insert(self.data, records, slot_mapping)
 
     def gather(self, slots):
         """Dequantized rows float32 [N, L + R] of global ``slots`` [N] (no -1)."""
@@ -291,3 +326,7 @@ class MLAKVCache:
         V.check_index("slots", slots, ndim=1, shape_desc="[N]")
         V.check_slots(xp, slots, self.num_slots, name="slots", allow_negative_one=False)
         return _ref.mla_read(self.data, slots, self.kv_lora_rank, self.rope_dim)
+
+    def gather_core(self, slots):
+        """:meth:`gather` of slots known to be in range (no masking pass, no sync)."""
+        return _ref.mla_decode(self.records()[slots], self.kv_lora_rank, self.rope_dim)

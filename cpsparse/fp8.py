@@ -6,7 +6,7 @@ arithmetic (bit for bit what the CUDA kernels reproduce).
 
 from cpsparse import _backend
 from cpsparse import _validation as V
-from cpsparse.kernels import quant as _kquant
+from cpsparse.raw_kernels import quant as _kquant
 from cpsparse.reference import fp8 as _ref
 
 __all__ = ["quantize_fp8", "dequantize_fp8", "E4M3_MAX"]
@@ -61,8 +61,10 @@ def quantize_fp8(x, block_size=128, scale_fmt="ue8m0", eps=1e-4):
     V.check_block_multiple("x", x.shape[-1], block_size)
     V.check_choice("scale_fmt", scale_fmt, SCALE_FORMATS)
     V.check_float32_positive("eps", eps)
-    if _backend.use_kernels(xp) and _kquant.supports_group(block_size):
-        return _kquant.quantize_fp8(xp, x, block_size, scale_fmt, eps)
+    if _backend.use_kernels(xp):
+        if _kquant.supports_group(block_size):
+            return _kquant.quantize_fp8(xp, x, block_size, scale_fmt, eps)
+        _backend.warn_fallback("quantize_fp8", (block_size,), "this block_size")
     return _ref.quantize_groups(x, block_size, scale_fmt, eps)
 
 

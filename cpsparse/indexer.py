@@ -15,12 +15,63 @@ with ``W`` the head weights with the query scale folded in
 
 from cpsparse import _backend
 from cpsparse import _validation as V
+from cpsparse import paging
 from cpsparse.cache import IndexerKCache
+from cpsparse.raw_kernels import indexer as _kindexer
+from cpsparse.raw_kernels import topk as _ktopk
 from cpsparse.reference import indexer as _ref
 
 __all__ = ["mqa_logits", "paged_mqa_logits", "topk_per_row", "topk_per_row_decode",
-           "sparse_attn_indexer", "IndexerStats",
            "fold_weights", "hadamard_rotate", "decode_row_ends"]
+
+
+def __getattr__(name):
+    # The layer orchestration lives in cpsparse.sparse_attn_indexer (vLLM's name);
+    # its two names stay reachable from here.
+    if name in ("sparse_attn_indexer", "IndexerStats"):
+        from cpsparse import sparse_attn_indexer as _sai
+        return getattr(_sai, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---- cores: validated arguments in, the kernel or the reference out ------------------
+# The public ops below validate, then call these; the layer path (sparse_attn_indexer)
+# validates a whole batch once and calls them directly.
+
+def mqa_logits_core(xp, q_codes, k_codes, k_scales, weights, ks, ke):
+    if _backend.use_kernels(xp):
+        if _kindexer.supports_prefill(q_codes, k_codes):
+            return _kindexer.mqa_logits(xp, q_codes, k_codes, k_scales, weights, ks, ke)
+        _backend.warn_fallback("mqa_logits", tuple(q_codes.shape),
+                               "this head count / head_dim / alignment")
+    return _ref.mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke)
+
+
+def paged_mqa_logits_core(xp, q_codes, cache, weights, context_lens, block_table,
+                          max_context_len):
+    if _backend.use_kernels(xp):
+        batch, next_n, heads, dim = q_codes.shape
+        planned = _kindexer.paged_plan(batch, next_n, heads, dim, max_context_len,
+                                       cache.block_size)
+        if _kindexer.supports_paged(q_codes, cache.data, planned[1]):
+            return _kindexer.paged_mqa_logits(xp, q_codes, cache, weights, context_lens,
+                                              block_table, max_context_len, plan=planned)
+        _backend.warn_fallback("paged_mqa_logits", tuple(q_codes.shape) + (cache.block_size,),
+                               "this head count / head_dim / page size / alignment")
+    return _ref.paged_mqa_logits(q_codes, cache.data, cache.block_size, weights, context_lens,
+                                 block_table, max_context_len)
+
+
+def topk_per_row_core(xp, logits, row_starts, row_ends, k, out):
+    if _backend.use_kernels(xp):
+        return _ktopk.topk_per_row(xp, logits, row_starts, row_ends, k, out)
+    return _ref.topk_per_row(logits, row_starts, row_ends, k, out=out)
+
+
+def topk_per_row_decode_core(xp, logits, context_lens, next_n, k, out):
+    if _backend.use_kernels(xp):
+        return _ktopk.topk_per_row_decode(xp, logits, context_lens, next_n, k, out)
+    return _ref.topk_per_row_decode(logits, context_lens, next_n, k, out=out)
 
 
 def fold_weights(weights, q_scales, head_dim=128):
@@ -148,10 +199,7 @@ def mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke):
     V.check_index("ks", ks, shape=(m,), shape_desc="[M]")
     V.check_index("ke", ke, shape=(m,), shape_desc="[M]")
     V.check_windows(xp, ks, ke, n)
-    if _backend.use_kernels(xp):
-        from cpsparse.kernels import indexer as _kindexer
-        return _kindexer.mqa_logits(xp, q_codes, k_codes, k_scales, weights, ks, ke)
-    return _ref.mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke)
+    return mqa_logits_core(xp, q_codes, k_codes, k_scales, weights, ks, ke)
 
 
 def _cache_of(cache, dim):
@@ -242,12 +290,8 @@ def paged_mqa_logits(q_codes, cache, weights, context_lens, block_table, max_con
     max_context_len = V.check_nonnegative_int("max_context_len", max_context_len)
     V.check_context_lens(xp, context_lens, block_table, cache.block_size, max_context_len,
                          cache.num_blocks)
-    if _backend.use_kernels(xp):
-        from cpsparse.kernels import indexer as _kindexer
-        return _kindexer.paged_mqa_logits(xp, q_codes, cache, weights, context_lens,
-                                          block_table, max_context_len)
-    return _ref.paged_mqa_logits(q_codes, cache.data, cache.block_size, weights, context_lens,
-                                 block_table, max_context_len)
+    return paged_mqa_logits_core(xp, q_codes, cache, weights, context_lens, block_table,
+                                 max_context_len)
 
 
 def _check_out(xp, out, rows, k):
@@ -304,15 +348,20 @@ def topk_per_row(logits, row_starts, row_ends, k, out=None):
     V.check_index("row_ends", row_ends, shape=(m,), shape_desc="[M]")
     out = _check_out(xp, out, m, k)
     V.check_windows(xp, row_starts, row_ends, n, ks_name="row_starts", ke_name="row_ends")
-    if _backend.use_kernels(xp):
-        from cpsparse.kernels import topk as _ktopk
-        return _ktopk.topk_per_row(xp, logits, row_starts, row_ends, k, out)
-    return _ref.topk_per_row(logits, row_starts, row_ends, k, out=out)
+    return topk_per_row_core(xp, logits, row_starts, row_ends, k, out)
 
 
 def decode_row_ends(context_lens, next_n):
-    """int64 [B * next_n]: where each decode row's window ends (see paged_mqa_logits)."""
-    return _ref.decode_row_ends(context_lens, next_n)
+    """int64 [B * next_n]: where each decode row's window ends (see paged_mqa_logits).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cpsparse.indexer import decode_row_ends
+    >>> decode_row_ends(np.array([5, 1]), next_n=2)      # request 1 has one key
+    array([4, 5, 0, 1])
+    """
+    return paging.decode_row_ends(context_lens, next_n)
 
 
 def topk_per_row_decode(logits, context_lens, next_n, k, out=None):
@@ -358,210 +407,4 @@ def topk_per_row_decode(logits, context_lens, next_n, k, out=None):
         if int(context_lens.min()) < 0:
             raise ValueError("Invalid context_lens: expected values >= 0, got "
                              f"{int(context_lens.min())}")
-    if _backend.use_kernels(xp):
-        from cpsparse.kernels import topk as _ktopk
-        return _ktopk.topk_per_row_decode(xp, logits, context_lens, next_n, k, out)
-    return _ref.topk_per_row_decode(logits, context_lens, next_n, k, out=out)
-
-
-
-
-# ---- the orchestration -------------------------------------------------------
-
-class IndexerStats:
-    """Counters of what :func:`sparse_attn_indexer` did (for tests, demos, benchmarks)."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.calls = 0            # invocations
-        self.skipped = 0          # short-prefill early returns
-        self.scored_calls = 0     # invocations that scored (decode or prefill)
-        self.decode_rows = 0      # decode query rows scored
-        self.prefill_rows = 0     # prefill query rows scored
-        self.prefill_chunks = 0
-        self.inserted_keys = 0
-
-    def __repr__(self):
-        return ("IndexerStats(" + ", ".join(f"{k}={v}" for k, v in vars(self).items()) + ")")
-
-
-def _check_indexer_call(xp, q_codes, weights, k, k_cache, metadata, buffer, skip_insert):
-    """Every argument of :func:`sparse_attn_indexer`, named as the caller passed it."""
-    from cpsparse.metadata import check_batch
-    check_batch(metadata, block_size=k_cache.block_size, num_blocks=k_cache.num_blocks,
-                xp=xp, owner="k_cache")
-    tokens = metadata.num_tokens
-    q_codes = V.check_codes("q_codes", q_codes, ndim=3, shape_desc="[T, H, D]")
-    _, heads, dim = q_codes.shape
-    if dim != k_cache.head_dim:
-        raise ValueError(f"Invalid shape of q_codes: expected D = {k_cache.head_dim} (the "
-                         f"k_cache's head_dim), got {tuple(q_codes.shape)}")
-    if q_codes.shape[0] < tokens:
-        raise ValueError(f"Invalid shape of q_codes: expected at least {tokens} rows "
-                         f"(the batch's tokens), got {q_codes.shape[0]}")
-    V.check_array("weights", weights, ndim=2, dtype="float32", shape=(None, heads),
-                  shape_desc="[T, H]")
-    if weights.shape[0] < tokens:
-        raise ValueError(f"Invalid shape of weights: expected at least {tokens} rows "
-                         f"(the batch's tokens), got {weights.shape[0]}")
-    V.check_array("topk_indices_buffer", buffer, ndim=2, dtype="int32",
-                  shape_desc="[max_num_tokens, topk]")
-    if buffer.shape[0] < tokens:
-        raise ValueError(f"Invalid shape of topk_indices_buffer: expected at least {tokens} "
-                         f"rows, got {buffer.shape[0]}")
-    if buffer.shape[1] != metadata.index_topk:
-        raise ValueError(f"Invalid shape of topk_indices_buffer: expected {metadata.index_topk}"
-                         f" columns (the metadata's index_topk), got {tuple(buffer.shape)}")
-    if not skip_insert:
-        V.check_array("k", k, ndim=2, dtype=V.FLOAT_DTYPES, shape=(None, dim),
-                      shape_desc="[T, D]", contiguous=False)
-        if k.shape[0] < tokens:
-            raise ValueError(f"Invalid shape of k: expected at least {tokens} rows (the "
-                             f"batch's tokens), got {k.shape[0]}")
-
-
-def _short_prefill_skip(name, forward_context, xp):
-    """DESIGN section 7 step 2: the MLA metadata under ``name`` makes top-k unused.
-
-    A name that the forward context does not know is an error (a typo would
-    otherwise silently disable the skip).
-    """
-    if not name:
-        return False
-    if forward_context is None:
-        from cpsparse.metadata import get_forward_context
-        forward_context = get_forward_context()
-    if name not in forward_context.attn_metadata:
-        raise ValueError(f"Invalid dense_mha_metadata_layer_name: {name!r} is not a layer of "
-                         f"the forward context (its layers: "
-                         f"{sorted(forward_context.attn_metadata)})")
-    mla = forward_context.attn_metadata[name]
-    prefill = getattr(mla, "prefill", None)
-    return (bool(getattr(prefill, "use_dense_mha", False))
-            and getattr(mla, "num_decode_tokens", -1) == 0
-            and not _backend.is_stream_capturing(xp))
-
-
-def _pad_decode(xp, a, decode, batch):
-    """[num_decode_tokens, ...] -> [B * next_n, ...] with zero padding rows."""
-    if not decode.requires_padding:
-        return a
-    out = xp.zeros((batch * decode.next_n,) + a.shape[1:], dtype=a.dtype)
-    out[decode.token_rows] = a
-    return out
-
-
-def sparse_attn_indexer(q_codes, weights, k, k_cache, metadata, topk_indices_buffer, *,
-                        skip_k_cache_insert=False, use_pcp=False,
-                        dense_mha_metadata_layer_name="", skip_topk_buffer_clear=False,
-                        forward_context=None, stats=None):
-    """Run the lightning indexer of one layer over a batch; fill the top-k rows.
-
-    Order of work (``DESIGN.md`` section 7):
-
-    1. insert the new keys ``k`` into ``k_cache`` (unless ``skip_k_cache_insert``);
-    2. short-prefill early return: if ``dense_mha_metadata_layer_name`` is
-       non-empty and the MLA metadata stored under it in the forward context
-       says ``prefill.use_dense_mha`` with ``num_decode_tokens == 0``, and no
-       CUDA graph is being captured, return at once: no scoring, no top-k, the
-       buffer untouched (dense MHA will not read it);
-    3. unless ``skip_topk_buffer_clear``, fill ``buffer[:num_tokens]`` with -1;
-    4. decode tokens: paged scoring + decode top-k into
-       ``buffer[:num_decode_tokens]``;
-    5. prefill tokens: per chunk (logits under the byte budget), gather keys,
-       score, top-k into the chunk's rows.
-
-    Parameters
-    ----------
-    q_codes : uint8 [T, H, D]
-        Quantized indexer queries of the batch's tokens.
-    weights : float32 [T, H]
-        Head weights with the query scales folded in (:func:`fold_weights`).
-    k : float [T, D]
-        New indexer keys (after norm, RoPE and rotation), quantized on insert.
-    k_cache : IndexerKCache
-    metadata : cpsparse.metadata.BatchMetadata
-    topk_indices_buffer : int32 [max_num_tokens, topk]
-        Shared by the layers of a forward pass; rows hold request-local positions.
-    skip_k_cache_insert : bool
-        The keys are already in the cache (e.g. a fused insert ran earlier).
-    use_pcp : bool
-        Prefill context parallelism. cpsparse runs in one process, so there is
-        no key all-gather to do; the flag matters to the layer's construction
-        gate (a PCP layer never passes a dense-MHA layer name).
-    dense_mha_metadata_layer_name : str
-        The MLA layer whose metadata may allow the early return; "" disables it.
-        The layer decides this once, at construction (the gate); the indexer
-        only obeys the name.
-    skip_topk_buffer_clear : bool
-        The caller already cleared ``buffer[:num_tokens]``.
-    forward_context : cpsparse.metadata.ForwardContext, optional
-        Default: the current one (:func:`cpsparse.metadata.set_forward_context`).
-    stats : IndexerStats, optional
-        Counters to update.
-
-    Returns
-    -------
-    topk_indices_buffer
-    """
-    if not isinstance(k_cache, IndexerKCache):
-        raise TypeError(f"Invalid type of k_cache: expected IndexerKCache, got "
-                        f"{type(k_cache).__qualname__}")
-    xp = _backend.get_array_module(q_codes=q_codes, weights=weights,
-                                   k=None if skip_k_cache_insert else k,
-                                   topk_indices_buffer=topk_indices_buffer,
-                                   k_cache=k_cache.data)
-    # Every check runs before the first write (key insert, buffer clear): a call that
-    # raises leaves the cache and the buffer as they were. Value checks read the
-    # metadata's host copies, so they cost no device sync.
-    _check_indexer_call(xp, q_codes, weights, k, k_cache, metadata, topk_indices_buffer,
-                        skip_k_cache_insert)
-    q_codes = V.check_codes("q_codes", q_codes)
-    _, heads, dim = q_codes.shape
-    skip = _short_prefill_skip(dense_mha_metadata_layer_name, forward_context, xp)
-    tokens = metadata.num_tokens
-    topk = topk_indices_buffer.shape[1]
-    stats = stats if stats is not None else IndexerStats()
-    stats.calls += 1
-
-    if not skip_k_cache_insert:
-        k_cache.insert(xp.ascontiguousarray(k[:tokens]), metadata.slot_mapping)
-        stats.inserted_keys += tokens
-
-    if skip:
-        stats.skipped += 1
-        return topk_indices_buffer
-
-    if not skip_topk_buffer_clear:
-        topk_indices_buffer[:tokens] = -1
-    if tokens:
-        stats.scored_calls += 1
-
-    decode = metadata.decode
-    if decode is not None and metadata.num_decode_tokens:
-        nd, batch, next_n = metadata.num_decode_tokens, metadata.num_decodes, decode.next_n
-        q_dec = _pad_decode(xp, q_codes[:nd], decode, batch).reshape(batch, next_n, heads, dim)
-        w_dec = _pad_decode(xp, weights[:nd], decode, batch)
-        logits = paged_mqa_logits(xp.ascontiguousarray(q_dec), k_cache,
-                                  xp.ascontiguousarray(w_dec), decode.context_lens,
-                                  decode.block_table, decode.max_context_len)
-        if decode.requires_padding:
-            rows = topk_per_row_decode(logits, decode.context_lens, next_n, topk)
-            topk_indices_buffer[:nd] = rows[decode.token_rows]
-        else:
-            topk_per_row_decode(logits, decode.context_lens, next_n, topk,
-                                out=topk_indices_buffer[:nd])
-        stats.decode_rows += nd
-
-    if metadata.prefill is not None:
-        for chunk in metadata.prefill.chunks:
-            t0, t1 = chunk.token_start, chunk.token_end
-            codes, scales = k_cache.gather(chunk.block_table, chunk.cu_seq_lens)
-            logits = mqa_logits(xp.ascontiguousarray(q_codes[t0:t1]), codes, scales,
-                                xp.ascontiguousarray(weights[t0:t1]), chunk.ks, chunk.ke)
-            topk_per_row(logits, chunk.ks, chunk.ke, topk, out=topk_indices_buffer[t0:t1])
-            stats.prefill_rows += t1 - t0
-            stats.prefill_chunks += 1
-    return topk_indices_buffer
+    return topk_per_row_decode_core(xp, logits, context_lens, next_n, k, out)

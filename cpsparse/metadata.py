@@ -21,12 +21,12 @@ import numpy
 
 from cpsparse import _backend
 from cpsparse import _validation as V
-from cpsparse.reference import attention as _attention_ref
+from cpsparse import paging
 from cpsparse.reference._xp import to_host
 
-__all__ = ["BatchMetadata", "DecodeMetadata", "PrefillChunk", "PrefillMetadata",
+__all__ = ["BatchMetadata", "DecodeMetadata", "DenseMetadata", "PrefillChunk", "PrefillMetadata",
            "MLAMetadata", "MLAPrefillMetadata", "ForwardContext", "build_batch",
-           "decodes_first_order", "check_batch", "set_forward_context",
+           "decodes_first_order", "check_batch", "dense_metadata", "set_forward_context",
            "get_forward_context",
            "DEFAULT_LOGITS_BUDGET_BYTES"]
 
@@ -64,6 +64,8 @@ class PrefillChunk:
     block_table: Any           # int32 [n, max_blocks]
     ks: Any                    # int32 [tokens] window start in the gathered keys
     ke: Any                    # int32 [tokens] window end (exclusive)
+    cu_seq_lens_host: numpy.ndarray = None   # host int64 copy of cu_seq_lens
+    key_req_ids: Any = None    # int32 [num_keys]: the request (row of block_table) of each key
 
     @property
     def num_tokens(self):
@@ -77,6 +79,18 @@ class PrefillChunk:
 @dataclasses.dataclass
 class PrefillMetadata:
     chunks: List[PrefillChunk]
+
+
+@dataclasses.dataclass
+class DenseMetadata:
+    """The MLA dense route's inputs (prefill requests from ``first_request`` on): every
+    key position of each request mapped to its cache slot, and the packed offsets."""
+    first_request: int
+    cu_seqlens_q: numpy.ndarray        # host int64 [n + 1]
+    cu_seqlens_k: numpy.ndarray        # host int64 [n + 1]
+    slots: Any                         # int32 [cu_seqlens_k[-1]] on the batch's device
+    key_start: Any = None              # int32 [T]: first key row of each query (packed)
+    key_count: Any = None              # int32 [T]: keys each query sees (causal)
 
 
 @dataclasses.dataclass
@@ -99,6 +113,18 @@ class MLAMetadata:
     num_prefills: int
     num_prefill_tokens: int
     prefill: Optional[MLAPrefillMetadata]
+
+    # The dense-route predicate, one owner: the layer's attention route and the
+    # indexer's short-prefill early return both read it from here.
+    @property
+    def dense_prefill(self):
+        """The prefill tokens take dense causal MHA (every key fits the top-k)."""
+        return self.prefill is not None and bool(self.prefill.use_dense_mha)
+
+    @property
+    def topk_unused(self):
+        """Nothing of this batch reads the top-k rows: a dense prefill, no decode token."""
+        return self.dense_prefill and self.num_decode_tokens == 0
 
 
 @dataclasses.dataclass
@@ -127,6 +153,7 @@ class BatchMetadata:
     decode: Optional[DecodeMetadata]
     prefill: Optional[PrefillMetadata]
     mla: MLAMetadata
+    dense: Optional[DenseMetadata] = None   # set when mla.dense_prefill
     # cache sizes (num_blocks) every page id of the batch was checked against
     checked_num_blocks: set = dataclasses.field(default_factory=set)
 
@@ -284,10 +311,9 @@ def build_batch(query_lens, context_lens, block_table, *, next_n=1, block_size=6
 
     cu = numpy.concatenate([[0], numpy.cumsum(q)]).astype(numpy.int64)
     total = int(cu[-1])
-    req_ids = numpy.repeat(numpy.arange(q.size), q)
-    positions = numpy.arange(total) - numpy.repeat(cu[:-1], q) + numpy.repeat(ctx, q)
-    slots = _attention_ref.local_to_global_slots(positions[:, None], req_ids, table_h,
-                                                 block_size)[:, 0]
+    req_ids, new_pos = paging.expand(q)
+    positions = new_pos + ctx[req_ids]
+    slots = paging.page_slots(table_h, req_ids, positions, block_size)
     dev = (lambda a: xp.asarray(a)) if xp is not numpy else (lambda a: a)
     i32 = numpy.int32
 
@@ -318,7 +344,8 @@ def build_batch(query_lens, context_lens, block_table, *, next_n=1, block_size=6
             key_off = numpy.concatenate([[0], numpy.cumsum(keys)])
             ks = numpy.concatenate([numpy.full(i1 - i0, key_off[n]) for n, (r, i0, i1)
                                     in enumerate(plan)])
-            ke = numpy.concatenate([key_off[n] + ctx[r] + numpy.arange(i0, i1) + 1
+            ke = numpy.concatenate([key_off[n] + paging.causal_ends(q[r], ctx[r] + q[r],
+                                                                    numpy.arange(i0, i1))
                                     for n, (r, i0, i1) in enumerate(plan)])
             reqs = [r for r, _, _ in plan]
             first, last = plan[0], plan[-1]
@@ -326,7 +353,9 @@ def build_batch(query_lens, context_lens, block_table, *, next_n=1, block_size=6
                 token_start=int(cu[first[0]] + first[1]), token_end=int(cu[last[0]] + last[2]),
                 num_keys=int(key_off[-1]), cu_seq_lens=dev(key_off.astype(i32)),
                 block_table=dev(numpy.ascontiguousarray(table_h[reqs])),
-                ks=dev(ks.astype(i32)), ke=dev(ke.astype(i32))))
+                ks=dev(ks.astype(i32)), ke=dev(ke.astype(i32)),
+                cu_seq_lens_host=key_off.astype(numpy.int64),
+                key_req_ids=dev(paging.expand(keys)[0].astype(i32))))
         prefill = PrefillMetadata(chunks=chunks)
 
     mla_decodes = _leading_run(q, mla_threshold)
@@ -338,6 +367,9 @@ def build_batch(query_lens, context_lens, block_table, *, next_n=1, block_size=6
     mla = MLAMetadata(decode_threshold=mla_threshold, num_decodes=mla_decodes,
                       num_decode_tokens=mla_decode_tokens, num_prefills=q.size - mla_decodes,
                       num_prefill_tokens=total - mla_decode_tokens, prefill=mla_prefill)
+    # The dense route's inputs are built here, so the layer uploads nothing.
+    dense = _dense_metadata(xp, q, seq, table_h, mla_decodes, block_size) \
+        if mla.dense_prefill else None
 
     return BatchMetadata(
         xp=xp, block_size=block_size, next_n=next_n, index_topk=index_topk,
@@ -349,7 +381,30 @@ def build_batch(query_lens, context_lens, block_table, *, next_n=1, block_size=6
         positions=dev(positions.astype(i32)), req_ids=dev(req_ids.astype(i32)),
         num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
         num_prefills=int(q.size) - num_decodes, num_prefill_tokens=total - num_decode_tokens,
-        decode=decode, prefill=prefill, mla=mla)
+        decode=decode, prefill=prefill, mla=mla, dense=dense)
+
+
+def _dense_metadata(xp, query_lens, seq_lens, table_h, first_request, block_size):
+    """Every position 0..seq-1 of each request from ``first_request`` on, mapped to its
+    slot, and the packed offsets: what the MLA dense route gathers and attends."""
+    dseq, dq = seq_lens[first_request:], query_lens[first_request:]
+    dreq, dpos = paging.expand(dseq)
+    cu_q = numpy.concatenate([[0], numpy.cumsum(dq)]).astype(numpy.int64)
+    cu_k = numpy.concatenate([[0], numpy.cumsum(dseq)]).astype(numpy.int64)
+    slots = paging.page_slots(table_h, dreq + first_request, dpos, block_size)
+    start, visible = paging.causal_key_ranges(cu_q, cu_k)
+    dev = (lambda a: xp.asarray(a)) if xp is not numpy else (lambda a: a)
+    return DenseMetadata(first_request=first_request, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                         slots=dev(slots), key_start=dev(start), key_count=dev(visible))
+
+
+def dense_metadata(batch, first_request):
+    """The batch's :class:`DenseMetadata` from ``first_request`` on (built by
+    build_batch for its own MLA split; built here for another one)."""
+    if batch.dense is not None and batch.dense.first_request == first_request:
+        return batch.dense
+    return _dense_metadata(batch.xp, batch.query_lens, batch.seq_lens, batch.block_table_host,
+                           first_request, batch.block_size)
 
 
 def check_batch(batch, *, block_size, index_topk=None, num_blocks=None, xp=None,

@@ -25,16 +25,15 @@ from typing import Optional
 import numpy
 
 from cpsparse import _backend
-from cpsparse.attention import (dense_mla_attention, local_to_global_slots, softmax_scale,
-                                sparse_mla_attention)
+from cpsparse.attention import (dense_mla_attention_core, local_to_global_slots_core,
+                                softmax_scale, sparse_mla_attention_core)
 from cpsparse.cache import IndexerKCache, MLAKVCache
 from cpsparse.fp8 import quantize_fp8
-from cpsparse.indexer import (IndexerStats, fold_weights, hadamard_rotate,
-                              sparse_attn_indexer)
+from cpsparse.indexer import fold_weights, hadamard_rotate
+from cpsparse.sparse_attn_indexer import IndexerStats, sparse_attn_indexer_core
 from cpsparse import _validation as V
-from cpsparse.metadata import ForwardContext, check_batch, get_forward_context
+from cpsparse.metadata import ForwardContext, check_batch, dense_metadata, get_forward_context
 from cpsparse.platform import current_platform
-from cpsparse.reference import attention as _attention_ref
 
 __all__ = ["MLAConfig", "DeepseekV32MLA", "DeepseekV32AttentionStack", "init_weights",
            "AttentionStats"]
@@ -159,6 +158,21 @@ def _layer_norm(xp, x, weight, bias, eps):
     return ((x - mean) / xp.sqrt(var + eps) * weight + bias).astype(xp.float32)
 
 
+_INV_FREQ = {}
+
+
+def _rope_inv_freq(xp, d, theta):
+    """``theta ** (-2i / d)``, made once per (backend, device, d, theta): the layer's hot
+    path uploads nothing."""
+    dev = xp.cuda.runtime.getDevice() if xp is not numpy else None
+    key = (xp.__name__, dev, d, theta)
+    inv = _INV_FREQ.get(key)
+    if inv is None:
+        inv = _INV_FREQ[key] = xp.asarray(
+            1.0 / theta ** (numpy.arange(0, d, 2, dtype=numpy.float64) / d))
+    return inv
+
+
 def _rope(xp, x, positions, theta, interleaved):
     """Rotate the last axis of x [T, ..., d] by position (d even).
 
@@ -166,8 +180,7 @@ def _rope(xp, x, positions, theta, interleaved):
     otherwise halves (i, i + d/2) (NeoX, the indexer's layout).
     """
     d = x.shape[-1]
-    inv = 1.0 / theta ** (numpy.arange(0, d, 2, dtype=numpy.float64) / d)
-    ang = positions.astype(xp.float64)[:, None] * xp.asarray(inv)[None, :]
+    ang = positions.astype(xp.float64)[:, None] * _rope_inv_freq(xp, d, theta)[None, :]
     shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (d // 2,)
     cos, sin = xp.cos(ang).reshape(shape), xp.sin(ang).reshape(shape)
     if interleaved:
@@ -380,6 +393,34 @@ class DeepseekV32MLA:
         if not skip:
             self._reusable_topk_rows = None
 
+    def begin_topk_reuse(self, batch):
+        """Start reusing the top-k rows of step-0 ``batch`` (MTP draft steps 1+).
+
+        Refuses unless this layer's last indexer call scored ``batch`` (all its
+        rows were written); then compacts the buffer to one row per request,
+        ``buf[:R] = buf[last token row of each request]``, and turns the runtime
+        reuse on: until :meth:`end_topk_reuse`, forward() runs attention over rows
+        [0, R) without the indexer. Returns R.
+        """
+        if (batch.query_lens < 1).any():
+            r = int((batch.query_lens < 1).argmax())
+            raise ValueError(f"Invalid step-0 batch: request {r} has no step-0 token, so it "
+                             "has no top-k row to reuse")
+        if self._rows_written is None or self._rows_written != batch.num_tokens:
+            raise RuntimeError(f"{self.layer_name}: the last indexer call did not score this "
+                               f"step-0 batch ({batch.num_tokens} tokens; rows written: "
+                               f"{self._rows_written})")
+        buf = self.topk_indices_buffer
+        buf[:batch.num_reqs] = buf[self.xp.asarray(batch.last_token_rows)]   # a copy: safe
+        self._rows_written = batch.num_reqs
+        self.mark_reusable_topk_rows(batch.num_reqs)
+        self.set_skip_topk(True)
+        return batch.num_reqs
+
+    def end_topk_reuse(self):
+        """End the reuse (always allowed): the next forward scores again."""
+        self.set_skip_topk(False)
+
     def mark_reusable_topk_rows(self, num_rows):
         """Declare buffer rows [0, num_rows) valid for reuse (after compaction).
 
@@ -453,7 +494,7 @@ class DeepseekV32MLA:
         kv_c = _rms_norm(xp, kv[:, :lora], self.kv_a_layernorm, c.rms_norm_eps)
         k_pe = _rope(xp, kv[:, lora:], positions, c.rope_theta, True)
         q_pe = _rope(xp, q[..., c.qk_nope_head_dim:], positions, c.rope_theta, True)
-        self.mla_cache.insert(kv_c, xp.ascontiguousarray(k_pe), batch.slot_mapping)
+        self.mla_cache.insert_core(kv_c, xp.ascontiguousarray(k_pe), batch.slot_mapping)
         # [T, H, nope] x [H, nope, L] -> [T, H, L]
         q_abs = xp.matmul(q[..., :c.qk_nope_head_dim].transpose(1, 0, 2), self.w_uk)
         q_full = xp.ascontiguousarray(
@@ -474,11 +515,12 @@ class DeepseekV32MLA:
             skipped_before = self.indexer.stats.skipped
             # Until this call has written its rows, nothing in the buffer is reusable.
             self._rows_written = self._reusable_topk_rows = None
-            sparse_attn_indexer(
-                q_codes, w, k, self.indexer_cache, batch, self.topk_indices_buffer,
-                use_pcp=self.use_pcp,
+            # forward() validated the batch against this layer (once): the core runs.
+            sparse_attn_indexer_core(
+                xp, q_codes, w, k, self.indexer_cache, batch, self.topk_indices_buffer,
+                skip_k_cache_insert=False, use_pcp=self.use_pcp,
                 dense_mha_metadata_layer_name=self._dense_mha_metadata_layer_name,
-                forward_context=ctx, stats=self.indexer.stats)
+                skip_topk_buffer_clear=False, forward_context=ctx, stats=self.indexer.stats)
             # Rows are reusable only if this call wrote them (no early return).
             if self.indexer.stats.skipped == skipped_before:
                 self._rows_written = self._reusable_topk_rows = tokens
@@ -490,7 +532,7 @@ class DeepseekV32MLA:
         if nd:
             out[:nd] = self._sparse(q_full[:nd], batch, 0, nd)
         if nd < tokens:
-            if mla.prefill is not None and mla.prefill.use_dense_mha:
+            if mla.dense_prefill:
                 # Dense route: the top-k buffer is not read (it may be stale or -1).
                 out[nd:] = self._dense(q_full[nd:], batch, mla.num_decodes)
             else:
@@ -498,33 +540,26 @@ class DeepseekV32MLA:
         return out
 
     def _sparse(self, q, batch, row0, row1):
-        c = self.config
+        xp, c = self.xp, self.config
         rows = self.topk_indices_buffer[row0:row1]
         self.attention_stats.buffer_rows_read += row1 - row0
         self.attention_stats.sparse_tokens += row1 - row0
-        slots = local_to_global_slots(rows, batch.req_ids[row0:row1], batch.block_table,
-                                      c.block_size)
-        out, _ = sparse_mla_attention(q, self.mla_cache, slots, c.sm_scale)
+        slots = local_to_global_slots_core(xp, rows, batch.req_ids[row0:row1],
+                                           batch.block_table, c.block_size)
+        cache = self.mla_cache
+        out, _ = sparse_mla_attention_core(xp, q, cache.records(), cache._decode, slots,
+                                           c.sm_scale, c.kv_lora_rank)
         return out
 
     def _dense(self, q, batch, first_request):
         """Causal MHA of the prefill requests over all their cached latents."""
         xp, c = self.xp, self.config
-        seq = batch.seq_lens[first_request:]
-        cu_k = numpy.concatenate([[0], numpy.cumsum(seq)]).astype(numpy.int32)
-        qlen = batch.query_lens[first_request:]
-        cu_q = numpy.concatenate([[0], numpy.cumsum(qlen)]).astype(numpy.int32)
-        # Every position 0..seq-1 of each prefill request, mapped to its slot.
-        req = numpy.repeat(numpy.arange(first_request, batch.num_reqs), seq).astype(numpy.int32)
-        pos = (numpy.arange(int(cu_k[-1])) - numpy.repeat(cu_k[:-1], seq)).astype(numpy.int32)
-        # (the reference formula directly: inputs are ours, and the sparse route's
-        # public call stays the only reader of top-k rows)
-        slots = _attention_ref.local_to_global_slots(xp.asarray(pos[:, None]), xp.asarray(req),
-                                                     batch.block_table, c.block_size)[:, 0]
-        kv = self.mla_cache.gather(xp.ascontiguousarray(slots))
+        dense = dense_metadata(batch, first_request)   # slots and offsets: built on the host
+        kv = self.mla_cache.gather_core(dense.slots)
         self.attention_stats.dense_tokens += q.shape[0]
-        out, _ = dense_mla_attention(q, kv, c.sm_scale, cu_seqlens_q=xp.asarray(cu_q),
-                                     cu_seqlens_k=xp.asarray(cu_k), d_v=c.kv_lora_rank)
+        key_ranges = None if dense.key_start is None else (dense.key_start, dense.key_count)
+        out, _ = dense_mla_attention_core(xp, q, kv, c.sm_scale, c.kv_lora_rank,
+                                          dense.cu_seqlens_q, dense.cu_seqlens_k, key_ranges)
         return out
 
 

@@ -4,12 +4,12 @@ A draft round of ``k`` steps over an MTP layer (``DESIGN.md`` section 10):
 
 1. step 0 runs the layer on every step-0 token; its indexer scores them and
    writes top-k rows ``[0, T0)`` of the shared buffer;
-2. the rows are compacted to one per request,
-   ``buf[:R] = buf[last_token_row_of_each_request]``, and
-   ``set_skip_topk(True)`` is called;
+2. ``layer.begin_topk_reuse(step0_batch)``: the layer checks that its indexer
+   scored step 0, compacts the rows to one per request,
+   ``buf[:R] = buf[last_token_row_of_each_request]``, and turns the reuse on;
 3. steps ``1 .. k-1`` (one token per request) run attention on rows
    ``[0, R)`` without calling the indexer;
-4. ``set_skip_topk(False)`` when the round ends, also when a step raises.
+4. ``layer.end_topk_reuse()`` when the round ends, also when a step raises.
 
 The approximation: a draft token at step i attends to the keys that step 0
 selected for its request's last token; keys written by steps 1 .. i-1 are
@@ -68,17 +68,6 @@ class MTPDrafter:
         self.layer = layer
         self.num_steps = num_steps
 
-    def compact_rows(self, batch):
-        """``buf[:R] = buf[last token row of each request]``; returns R."""
-        xp = self.layer.xp
-        if (batch.query_lens < 1).any():
-            r = int((batch.query_lens < 1).argmax())
-            raise ValueError(f"Invalid step-0 batch: request {r} has no step-0 token, so it "
-                             "has no top-k row to reuse")
-        rows = xp.asarray(batch.last_token_rows)
-        buf = self.layer.topk_indices_buffer
-        buf[:batch.num_reqs] = buf[rows]       # the right side is a copy: safe overlap
-        return batch.num_reqs
 
     def run_round(self, hidden_states, forward_context, next_step):
         """One draft round.
@@ -104,8 +93,7 @@ class MTPDrafter:
             outputs.append(layer.forward(hidden_states, forward_context=forward_context))
             if self.num_steps == 1:
                 return outputs
-            layer.mark_reusable_topk_rows(self.compact_rows(batch0))
-            layer.set_skip_topk(True)
+            layer.begin_topk_reuse(batch0)      # the layer owns the protocol
             for step in range(1, self.num_steps):
                 x, ctx = next_step(step, outputs[-1])
                 if not isinstance(ctx, ForwardContext):
@@ -119,4 +107,4 @@ class MTPDrafter:
                 outputs.append(layer.forward(x, forward_context=ctx))
             return outputs
         finally:
-            layer.set_skip_topk(False)
+            layer.end_topk_reuse()

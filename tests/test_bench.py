@@ -1,14 +1,74 @@
-"""python -m cpsparse.bench runs on the NumPy backend (structure, not speed)."""
+"""python -m cpsparse.bench runs on the NumPy backend (structure, not speed), drives the
+real layer and drafter, and every benchmarks module imports without a GPU."""
 
+import functools
+import importlib
 import json
+import pathlib
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
 
 from cpsparse import bench
+from cpsparse import mla as mla_module
+from cpsparse.mla import DeepseekV32MLA
+from cpsparse.mtp import MTPDrafter
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCH_MODULES = sorted(f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("*.py")
+                       if p.stem != "__init__")
 
 
-def test_bench_runs_on_numpy(tmp_path, capsys):
-    results = bench.run("numpy", ["short_prefill", "mtp", "decode_step"], out_dir=tmp_path)
-    saved = json.loads((tmp_path / "bench_numpy.json").read_text())
+@pytest.fixture(scope="module")
+def spied_run(tmp_path_factory):
+    """One NumPy run of every scenario with spies on the layer, the drafter and the
+    indexer entry the layer calls."""
+    out_dir = tmp_path_factory.mktemp("bench")
+    forwards, rounds, names = Counter(), Counter(), Counter()
+    real_forward, real_round = DeepseekV32MLA.forward, MTPDrafter.run_round
+    entry = bench._indexer_entry()
+    real_entry = getattr(mla_module, entry)
+
+    @functools.wraps(real_forward)
+    def forward(self, *args, **kwargs):
+        forwards[(self.layer_name, self.enable_short_prefill_scoring_skip)] += 1
+        return real_forward(self, *args, **kwargs)
+
+    @functools.wraps(real_round)
+    def run_round(self, *args, **kwargs):
+        rounds[self.num_steps] += 1
+        return real_round(self, *args, **kwargs)
+
+    @functools.wraps(real_entry)
+    def indexer(*args, **kwargs):
+        names[kwargs.get("dense_mha_metadata_layer_name")] += 1
+        return real_entry(*args, **kwargs)
+
+    lines = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DeepseekV32MLA, "forward", forward)
+        mp.setattr(MTPDrafter, "run_round", run_round)
+        mp.setattr(mla_module, entry, indexer)
+        results = bench.run("numpy", ["short_prefill", "mtp", "decode_step"], out_dir=out_dir,
+                            progress=lines.append)
+    saved = json.loads((out_dir / "bench_numpy.json").read_text())
+    return dict(results=results, saved=saved, forwards=forwards, rounds=rounds, names=names,
+                lines=lines, out_dir=out_dir)
+
+
+def _spread_ok(row, key):
+    lo, hi = row[f"{key}_p10_p90_ms"]
+    return 0 < lo <= row[f"{key}_ms"] <= hi
+
+
+def test_bench_runs_on_numpy(spied_run, capsys):
+    saved, results = spied_run["saved"], spied_run["results"]
     assert saved["backend"] == "numpy"
+    assert results["scenarios"].keys() == saved["scenarios"].keys()
+    assert set(saved["what"]) == set(bench.SCENARIOS) and "p10" in saved["method"]
     rows = saved["scenarios"]["short_prefill"]
     topk = saved["sizes"]["topk"]
     # the skip fires exactly up to index_topk (use_dense_mha) and stops at topk + 1
@@ -18,10 +78,78 @@ def test_bench_runs_on_numpy(tmp_path, capsys):
         saved["sizes"]["mtp_contexts"])
     for r in saved["scenarios"]["decode_step"]:
         assert r["indexer_ms"] > 0 and r["topk_ms"] > 0 and r["attention_ms"] > 0
+        assert r["slots_ms"] > 0 and _spread_ok(r, "eager_step")
         assert r["graph_replay_ms"] is None and "NumPy" in r["graph_note"]
-    out = capsys.readouterr().out
-    assert "short_prefill" in out and "decode_step" in out and "results:" in out
-    assert results["scenarios"].keys() == saved["scenarios"].keys()
+    assert any(line.startswith("short_prefill L=") for line in spied_run["lines"])
+
+
+def test_bench_prints_tables_and_writes_json_where_told(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "cpsparse.bench", "--backend", "numpy",
+                           "--scenarios", "short_prefill", "--out", str(tmp_path / "o")],
+                          cwd=ROOT, capture_output=True, text=True, check=True)
+    saved = json.loads((tmp_path / "o" / "bench_numpy.json").read_text())
+    assert list(saved["scenarios"]) == ["short_prefill"]
+    assert "short_prefill" in proc.stdout and "results:" in proc.stdout
+    assert "cannot fire" in proc.stdout            # the rows past index_topk say so
+
+
+def test_short_prefill_gate_is_decided_by_layer_construction(spied_run):
+    saved = spied_run["saved"]
+    s = saved["sizes"]
+    calls = s["warmup"] + s["iters"]
+    rows = saved["scenarios"]["short_prefill"]
+    for r in rows:
+        fired = r["tokens"] <= s["topk"]
+        assert r["gate_on_skipped"] == (calls if fired else 0)
+        assert r["gate_off_skipped"] == 0
+        assert r["forwards"] == calls
+        assert (r["reduction_pct"] is not None) == fired
+        assert ("cannot fire" in r["gate"]) == (not fired)
+        for key in ("gate_on", "gate_off", "forward_on", "forward_off"):
+            assert _spread_ok(r, key), (key, r)
+        # the indexer call is a part of the forward that contains it
+        assert r["gate_on_ms"] < r["forward_on_ms"] and r["gate_off_ms"] < r["forward_off_ms"]
+    # real forwards of two layers built alike but for the platform: gate on, gate off
+    n = len(rows) * calls
+    assert spied_run["forwards"][("layers.0.attn", True)] == n
+    assert spied_run["forwards"][("layers.0.attn", False)] == n
+    # the indexer only obeys: the gate-on layer passes its name, the other one ""
+    assert spied_run["names"]["layers.0.attn"] == n
+
+
+def test_mtp_drives_the_real_drafter(spied_run):
+    saved = spied_run["saved"]
+    s = saved["sizes"]
+    steps, rounds = s["mtp_steps"], s["warmup"] + s["iters"]
+    rows = saved["scenarios"]["mtp"]
+    for r in rows:
+        assert r["steps"] == steps
+        assert r["reuse_indexer_calls"] == 1              # step 0 only: steps 1+ reuse
+        assert r["recompute_indexer_calls"] == steps      # every step scores again
+        assert _spread_ok(r, "reuse") and _spread_ok(r, "recompute")
+        assert r["reuse_ms"] < r["round_reuse_ms"] and r["recompute_ms"] < r["round_recompute_ms"]
+        assert r["speedup"] == pytest.approx(r["recompute_ms"] / r["reuse_ms"])
+    cases = len(rows)
+    # reuse: one k-step round per timed call; baseline: k one-step rounds per call
+    assert spied_run["rounds"] == {steps: cases * rounds, 1: cases * rounds * steps}
+    assert spied_run["forwards"][("mtp.0.attn", False)] == 2 * cases * rounds * steps
+    # MTP layers never pass a layer name to the indexer (the gate is off by construction)
+    short = len(saved["scenarios"]["short_prefill"]) * rounds
+    assert spied_run["names"][""] == short + cases * rounds * (1 + steps)
+
+
+def test_decode_step_ops_rotate_consistently():
+    s = bench.sizes(np)
+    d = bench.DecodeStep(np, np.random.default_rng(3), 2, 300, s, sets=2)
+    assert d.inputs == [(0,), (1,)]
+    for j in range(2):
+        assert np.array_equal(d.scoring(j), d.logits[j])
+        assert np.array_equal(d.topk(j), d.rows[j])
+        assert np.array_equal(d.slots(j), d.slot_sets[j])
+        out, lse = d.step(j)
+        want, want_lse = d.attention(j)
+        assert np.array_equal(out, want) and np.array_equal(lse, want_lse)
+    assert not np.array_equal(d.logits[0], d.logits[1])       # two different input sets
 
 
 def test_bench_cli_rejects_unknown_scenario(capsys):
@@ -32,3 +160,31 @@ def test_bench_cli_rejects_unknown_scenario(capsys):
     else:
         raise AssertionError("unknown scenario accepted")
     assert "unknown scenario" in capsys.readouterr().err
+
+
+def test_table_shows_spread_beside_median():
+    lines = bench.table_lines([{"a": 1.5, "a_p10_p90_ms": [1.25, 2.0], "b": None}],
+                              ["a", "a_p10_p90_ms", "b"])
+    assert lines[2].split() == ["1.5", "1.25-2", "-"]
+
+
+@pytest.mark.parametrize("name", BENCH_MODULES)
+def test_benchmark_module_imports_without_gpu(name):
+    module = importlib.import_module(name)
+    assert module.__name__ == name
+
+
+def test_benchmark_modules_touch_no_device_at_import():
+    """With a cupy whose every attribute raises, every benchmarks module still imports."""
+    code = ("import importlib, sys, types\n"
+            "class NoDevice(types.ModuleType):\n"
+            "    def __getattr__(self, attr):\n"
+            "        raise AssertionError(f'cupy.{attr} used at import time')\n"
+            "sys.modules['cupy'] = NoDevice('cupy')\n"
+            f"for name in {BENCH_MODULES!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print('imported', len(sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "benchmarks.bench_host" in BENCH_MODULES and "benchmarks.harness" in BENCH_MODULES

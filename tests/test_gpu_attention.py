@@ -5,11 +5,10 @@ Most inputs are drawn exactly representable in bf16 (q, dense rows, fp8 scales w
 a 4-bit mantissa so that code * scale is a bf16 value): the kernels' bf16 operands
 then carry no input rounding and the check measures the kernel's own arithmetic
 (fp32 accumulation, bf16 probabilities). ``test_sparse_fp8_arbitrary_inputs`` uses
-plain float32 data through ``MLAKVCache.insert`` on full rows. Every kernel variant
-(``cpsparse.kernels.attention.VARIANTS``) is checked on every case.
+plain float32 data through ``MLAKVCache.insert`` on full rows. Every case first checks
+that the kernels cover it (``cpsparse.raw_kernels.attention.supports`` /
+``supports_rows``), so the public op runs the CUDA kernel, not the reference fallback.
 """
-
-import os
 
 import numpy as np
 import pytest
@@ -36,7 +35,7 @@ def cp():
 
 @pytest.fixture(scope="module")
 def katt():
-    from cpsparse.kernels import attention
+    from cpsparse.raw_kernels import attention
     return attention
 
 
@@ -116,25 +115,17 @@ def compare(got, exp, rtol=OUT_RTOL, atol=LSE_ATOL):
     return None
 
 
-def _variants(katt):
-    """Every variant, or those named in CPSPARSE_ATTN_TEST_VARIANTS (comma list)."""
-    names = os.environ.get("CPSPARSE_ATTN_TEST_VARIANTS")
-    return [v for v in names.split(",") if v] if names else list(katt.VARIANTS)
+def covered(katt, q, rows, d_v=512, fp8=False):
+    """Assert the kernels cover (q, rows, d_v): the public op then runs them."""
+    assert katt.supports(q.shape, d_v), f"kernels do not cover q {q.shape}, d_v {d_v}"
+    assert katt.supports_rows(rows, fp8), f"kernels do not read rows {rows.shape} (fp8={fp8})"
 
 
-def check_all_variants(cp, katt, run, exp, **tol):
-    failures = {}
-    previous = katt.get_variant()
-    try:
-        for variant in _variants(katt):
-            katt.set_variant(variant)
-            poison_pool(cp)
-            msg = compare(run(), exp, **tol)
-            if msg:
-                failures[variant] = msg
-    finally:
-        katt.set_variant(previous)
-    assert not failures, failures
+def check_kernel(cp, run, exp, **tol):
+    """Run on a NaN-poisoned pool and compare (out, lse) with the reference."""
+    poison_pool(cp)
+    msg = compare(run(), exp, **tol)
+    assert msg is None, msg
 
 
 @pytest.mark.parametrize("heads,topk,tokens", [(16, 512, 5), (64, 2048, 5), (128, 2048, 5),
@@ -149,7 +140,8 @@ def test_sparse_fp8_cache(cp, katt, heads, topk, tokens):
     idx = ragged_indices(rng, tokens, topk, host.num_slots)
     exp = sparse_mla_attention(q, host, idx, SCALE)
     q_d, idx_d = cp.asarray(q), cp.asarray(idx)
-    check_all_variants(cp, katt, lambda: sparse_mla_attention(q_d, dev, idx_d, SCALE), exp)
+    covered(katt, q_d, dev.records(), fp8=True)
+    check_kernel(cp, lambda: sparse_mla_attention(q_d, dev, idx_d, SCALE), exp)
 
 
 def test_sparse_fp8_arbitrary_inputs(cp, katt):
@@ -178,8 +170,9 @@ def test_sparse_fp8_arbitrary_inputs(cp, katt):
     def run():
         return sparse_mla_attention(q_d, dev, idx_d, SCALE)
 
-    check_all_variants(cp, katt, run, exp_bf16)
-    check_all_variants(cp, katt, run, exp_raw, atol=5e-3)
+    covered(katt, q_d, dev.records(), fp8=True)
+    check_kernel(cp, run, exp_bf16)
+    check_kernel(cp, run, exp_raw, atol=5e-3)
 
 
 @pytest.mark.parametrize("heads,topk,dtype", [(16, 512, np.float16), (64, 2048, np.float32),
@@ -193,7 +186,8 @@ def test_sparse_dense_workspace(cp, katt, heads, topk, dtype):
     idx = ragged_indices(rng, tokens, topk, rows)
     exp = sparse_mla_attention(q, kv, idx, SCALE)
     q_d, kv_d, idx_d = cp.asarray(q), cp.asarray(kv), cp.asarray(idx)
-    check_all_variants(cp, katt, lambda: sparse_mla_attention(q_d, kv_d, idx_d, SCALE), exp)
+    covered(katt, q_d, kv_d)
+    check_kernel(cp, lambda: sparse_mla_attention(q_d, kv_d, idx_d, SCALE), exp)
 
 
 def test_sparse_d_v_and_empty_topk(cp, katt):
@@ -203,8 +197,8 @@ def test_sparse_d_v_and_empty_topk(cp, katt):
     idx = ragged_indices(rng, 3, 100, 300)             # topk not a multiple of 64
     exp = sparse_mla_attention(q, kv, idx, 0.05, d_v=256)
     q_d, kv_d, idx_d = cp.asarray(q), cp.asarray(kv), cp.asarray(idx)
-    check_all_variants(cp, katt,
-                       lambda: sparse_mla_attention(q_d, kv_d, idx_d, 0.05, d_v=256), exp)
+    covered(katt, q_d, kv_d, d_v=256)
+    check_kernel(cp, lambda: sparse_mla_attention(q_d, kv_d, idx_d, 0.05, d_v=256), exp)
     out, lse = sparse_mla_attention(q_d, kv_d, cp.zeros((3, 0), cp.int32), 0.05)
     assert (out.get() == 0).all() and (lse.get() == -np.inf).all()
 
@@ -220,7 +214,8 @@ def test_dense_causal(cp, katt):
     exp = dense_mla_attention(q, kv, SCALE, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     args = (cp.asarray(q), cp.asarray(kv))
     cu = dict(cu_seqlens_q=cp.asarray(cu_q), cu_seqlens_k=cp.asarray(cu_k))
-    check_all_variants(cp, katt, lambda: dense_mla_attention(*args, SCALE, **cu), exp)
+    covered(katt, args[0], args[1])
+    check_kernel(cp, lambda: dense_mla_attention(*args, SCALE, **cu), exp)
 
 
 def test_local_to_global_slots(cp):

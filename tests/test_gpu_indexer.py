@@ -3,7 +3,9 @@
 Every case draws fresh random ragged batches, poisons the output with NaN before the
 launch (so an element the kernel forgets to write fails), runs both tensor-core paths
 (wgmma and mma.sync) and the public op, and checks: identical -inf mask, no NaN, and
-||gpu - ref|| / ||ref|| <= 1e-3 over the finite entries (DESIGN.md section 11).
+||gpu - ref|| / ||ref|| <= 1e-3 over the finite entries (DESIGN.md section 11). The
+launchers never fall back to the reference: every case first asserts that the kernels
+cover it (``supports_prefill`` / ``paged_plan`` + ``supports_paged``).
 """
 
 import numpy as np
@@ -25,8 +27,31 @@ def cp():
 
 @pytest.fixture
 def kin():
-    from cpsparse.kernels import indexer
+    from cpsparse.raw_kernels import indexer
     return indexer
+
+
+def _prefill(cp, kin, dev, path):
+    """Launch the prefill kernel of ``path`` into a NaN-poisoned output."""
+    q8, k8 = dev[0], dev[1]
+    assert kin.supports_prefill(q8, k8), f"prefill kernel does not cover {q8.shape}"
+    out = cp.full((q8.shape[0], k8.shape[0]), np.nan, dtype=cp.float32)
+    kin.mqa_logits(cp, *dev, out=out, path=path)
+    return out
+
+
+def _paged(cp, kin, dq, dcache, dw, dctx, dtable, width, path=None, piece_tiles=None,
+           out=None):
+    """Launch the decode kernel of ``path`` (after checking its plan covers the shape)."""
+    batch, next_n, heads, dim = dq.shape
+    _, plan = kin.paged_plan(batch, next_n, heads, dim, width, dcache.block_size, path)
+    assert kin.supports_paged(dq, dcache.data, plan), \
+        f"decode kernel does not cover {dq.shape}, width {width}, block {dcache.block_size}"
+    if out is None:
+        out = cp.full((batch * next_n, width), np.nan, dtype=cp.float32)
+    kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=out, path=path,
+                         piece_tiles=piece_tiles)
+    return out
 
 
 def _check(gpu, expect, what):
@@ -89,9 +114,7 @@ def test_mqa_logits_matches_reference(cp, kin, heads):
     expect = ref.mqa_logits(q8, k8, sk, w, ks, ke)
     dev = [cp.asarray(a) for a in (q8, k8, sk, w, ks, ke)]
     for path in PATHS:
-        out = cp.full((m, n), np.nan, dtype=cp.float32)
-        kin.mqa_logits(cp, *dev, out=out, path=path)
-        _check(out, expect, f"mqa_logits H={heads} path={path}")
+        _check(_prefill(cp, kin, dev, path), expect, f"mqa_logits H={heads} path={path}")
     _check(cpsparse.indexer.mqa_logits(*dev), expect, f"public mqa_logits H={heads}")
 
 
@@ -106,9 +129,7 @@ def test_mqa_logits_tail_queries_long_keys(cp, kin):
     expect = ref.mqa_logits(q8, k8, sk, w, ks, ke)
     dev = [cp.asarray(a) for a in (q8, k8, sk, w, ks, ke)]
     for path in PATHS:
-        out = cp.full((m, n), np.nan, dtype=cp.float32)
-        kin.mqa_logits(cp, *dev, out=out, path=path)
-        _check(out, expect, f"tail queries path={path}")
+        _check(_prefill(cp, kin, dev, path), expect, f"tail queries path={path}")
 
 
 # ---- paged decode --------------------------------------------------------------
@@ -157,14 +178,11 @@ def test_paged_mqa_logits_matches_reference(cp, kin, heads, next_n, two_d):
     expect = ref.paged_mqa_logits(q8, cache.data, 64, w, ctx, table, width)
     dcache = cpsparse.IndexerKCache.wrap(cp.asarray(cache.data), 64, 128)
     dq, dw, dctx, dtable = (cp.asarray(a) for a in (q8, w, ctx, table))
-    # default plans of both paths, then other ring depths / piece sizes
-    for path, stages, pt in (("wgmma", None, None), ("mma", None, None), ("wgmma", 4, 7),
-                             ("wgmma", 4, 1)):
-        out = cp.full(expect.shape, np.nan, dtype=cp.float32)
-        kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=out, path=path,
-                             stages=stages, piece_tiles=pt)
+    # default plans of both paths, then other piece sizes
+    for path, pt in (("wgmma", None), ("mma", None), ("wgmma", 7), ("wgmma", 1), ("mma", 7)):
+        out = _paged(cp, kin, dq, dcache, dw, dctx, dtable, width, path=path, piece_tiles=pt)
         _check(out, expect, f"paged H={heads} next_n={next_n} 2d={two_d} path={path} "
-                            f"stages={stages} piece_tiles={pt}")
+                            f"piece_tiles={pt}")
     got = cpsparse.indexer.paged_mqa_logits(dq, dcache, dw, dctx, dtable, width)
     _check(got, expect, f"public paged H={heads} next_n={next_n}")
 
@@ -179,9 +197,7 @@ def test_paged_other_block_sizes(cp, kin, block_size):
     dcache = cpsparse.IndexerKCache.wrap(cp.asarray(cache.data), block_size, 128)
     args = [cp.asarray(a) for a in (q8, w, ctx, table)]
     for path in PATHS:
-        out = cp.full(expect.shape, np.nan, dtype=cp.float32)
-        kin.paged_mqa_logits(cp, args[0], dcache, args[1], args[2], args[3], width, out=out,
-                             path=path)
+        out = _paged(cp, kin, args[0], dcache, args[1], args[2], args[3], width, path=path)
         _check(out, expect, f"paged block_size={block_size} path={path}")
 
 
@@ -195,7 +211,7 @@ def test_paged_graph_capture(cp, kin):
     dcache = cpsparse.IndexerKCache.wrap(cp.asarray(cache.data), 64, 128)
     dq, dw, dctx, dtable = (cp.asarray(a) for a in (q8, w, ctx, table))
     out = cp.empty(expect.shape, dtype=cp.float32)
-    kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=out)   # warm (compile)
+    _paged(cp, kin, dq, dcache, dw, dctx, dtable, width, out=out)      # warm (compile), plan
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()

@@ -30,7 +30,7 @@ def cp():
 
 @pytest.fixture
 def ktopk():
-    from cpsparse.kernels import topk
+    from cpsparse.raw_kernels import topk
     return topk
 
 
@@ -152,8 +152,8 @@ def test_adversarial(cp, ktopk, kind, n, variant):
     check_rows(logits, starts, ends, k, out.get())
 
 
-def _sample_positions(n, head, ctas, threads):
-    """Positions the kernel samples for its cut (the first value of each thread, tile 0)."""
+def _strided_positions(n, head, ctas, threads):
+    """The first value of each thread's first float4 (tile 0) of every CTA's slice."""
     nv = (head + n + 3) >> 2
     per = -(-nv // ctas)
     pos = []
@@ -167,9 +167,9 @@ def _sample_positions(n, head, ctas, threads):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_sample_cut_retry(cp, ktopk, variant):
-    """Large values exactly at the sampled positions: the cut counts fewer than k,
-    the kernel must recount without it and still be exact."""
+def test_large_values_on_thread_strides(cp, ktopk, variant):
+    """Large values exactly at the first value of every thread's first float4 (the
+    positions an earlier sampled pass read): still exact."""
     rng = np.random.default_rng(9)
     k, n, start = 2048, 65536, 1
     ctas, threads = ktopk.VARIANTS[variant]
@@ -177,7 +177,7 @@ def test_sample_cut_retry(cp, ktopk, variant):
     row = rng.standard_normal(width).astype(np.float32)
     logits = cp.asarray(np.stack([row, row]))
     head = (logits.data.ptr // 4 + start) % 4                      # row 0
-    pos = _sample_positions(n, head, ctas, threads)
+    pos = _strided_positions(n, head, ctas, threads)
     host = logits.get()
     host[0, start + pos] = (100 + 0.25 * np.arange(pos.size)).astype(np.float32)
     logits.set(host)

@@ -171,7 +171,7 @@ def test_a_failing_indexer_call_leaves_no_reusable_rows(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("device failure")
 
-    monkeypatch.setattr(mla_mod, "sparse_attn_indexer", broken)
+    monkeypatch.setattr(mla_mod, "sparse_attn_indexer_core", broken)
     with pytest.raises(RuntimeError, match="device failure"):
         layer.forward(hidden(meta.num_tokens), forward_context=ctx(meta))
     with pytest.raises(RuntimeError, match="did not score"):

@@ -65,18 +65,19 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.slots_calls, self.sparse_calls = [], []
-        real_l2g, real_sparse = mla_mod.local_to_global_slots, mla_mod.sparse_mla_attention
+        real_l2g = mla_mod.local_to_global_slots_core
+        real_sparse = mla_mod.sparse_mla_attention_core
 
-        def l2g(indices, *a, **k):
+        def l2g(xp, indices, *a, **k):
             self.slots_calls.append(np.array(indices))
-            return real_l2g(indices, *a, **k)
+            return real_l2g(xp, indices, *a, **k)
 
-        def sparse(q, cache, indices, *a, **k):
+        def sparse(xp, q, rows, decode, indices, *a, **k):
             self.sparse_calls.append(np.array(indices))
-            return real_sparse(q, cache, indices, *a, **k)
+            return real_sparse(xp, q, rows, decode, indices, *a, **k)
 
-        monkeypatch.setattr(mla_mod, "local_to_global_slots", l2g)
-        monkeypatch.setattr(mla_mod, "sparse_mla_attention", sparse)
+        monkeypatch.setattr(mla_mod, "local_to_global_slots_core", l2g)
+        monkeypatch.setattr(mla_mod, "sparse_mla_attention_core", sparse)
 
 
 # --------------------------------------------------------------- the gate ----
@@ -121,13 +122,13 @@ def test_gate_is_decided_once(cuda):
 
 def test_gate_passes_the_name_to_the_indexer(monkeypatch):
     seen = []
-    real = mla_mod.sparse_attn_indexer
+    real = mla_mod.sparse_attn_indexer_core
 
     def spy(*args, **kwargs):
         seen.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(mla_mod, "sparse_attn_indexer", spy)
+    monkeypatch.setattr(mla_mod, "sparse_attn_indexer_core", spy)
     meta = batch([70], [0], table_for(1))
     for platform, use_pcp, want in ((CUDA, False, NAME), (CPU, False, ""), (CUDA, True, "")):
         layer = make_layer(platform=platform, use_pcp=use_pcp)

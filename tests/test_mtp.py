@@ -74,13 +74,13 @@ def step0_rows_by_twin(rnd):
 class SparseSpy:
     def __init__(self, monkeypatch):
         self.calls = []
-        real = mla_mod.local_to_global_slots
+        real = mla_mod.local_to_global_slots_core
 
-        def spy(indices, req_ids, block_table, block_size=64):
+        def spy(xp, indices, req_ids, block_table, block_size=64):
             self.calls.append((np.array(indices), np.array(req_ids), np.array(block_table)))
-            return real(indices, req_ids, block_table, block_size)
+            return real(xp, indices, req_ids, block_table, block_size)
 
-        monkeypatch.setattr(mla_mod, "local_to_global_slots", spy)
+        monkeypatch.setattr(mla_mod, "local_to_global_slots_core", spy)
 
 
 # ------------------------------------------------------------------ rounds ----
@@ -297,22 +297,38 @@ def test_mtp_layer_gate_is_off_even_on_cuda(cuda):
     np.testing.assert_array_equal(rows[39], np.where(np.arange(K) < 40, np.arange(K), -1))
 
 
-def test_compact_rows():
+def test_begin_topk_reuse_compacts_rows():
     layer = mtp_layer()
     meta = build_batch([1, 3, 4], [5, 0, 2], table_for(3), block_size=BS, index_topk=K)
+    layer.forward(hidden(8, 0), forward_context=ForwardContext.for_layers(meta, [NAME]))
     buf = layer.topk_indices_buffer
     buf[:8] = np.arange(8)[:, None] * 100 + np.arange(K)[None]
     snapshot = buf.copy()
-    assert MTPDrafter(layer, 2).compact_rows(meta) == 3
+    assert layer.begin_topk_reuse(meta) == 3
+    assert layer.skip_topk
     np.testing.assert_array_equal(buf[:3], snapshot[[0, 3, 7]])
     np.testing.assert_array_equal(buf[3:], snapshot[3:])
+    layer.end_topk_reuse()
+    assert not layer.skip_topk
+
+
+def test_begin_topk_reuse_refuses_a_batch_the_indexer_did_not_score():
+    layer = mtp_layer()
+    meta = build_batch([1, 3, 4], [5, 0, 2], table_for(3), block_size=BS, index_topk=K)
+    with pytest.raises(RuntimeError, match="did not score this step-0 batch"):
+        layer.begin_topk_reuse(meta)                     # no call yet
+    other = build_batch([2, 3], [5, 0], table_for(2), block_size=BS, index_topk=K)
+    layer.forward(hidden(5, 0), forward_context=ForwardContext.for_layers(other, [NAME]))
+    with pytest.raises(RuntimeError, match="did not score this step-0 batch"):
+        layer.begin_topk_reuse(meta)                     # another batch was scored
+    assert not layer.skip_topk
 
 
 def test_compaction_refuses_a_request_without_step0_tokens():
     layer = mtp_layer()
     meta = build_batch([0, 5], [3, 0], table_for(2), block_size=BS, index_topk=K)
     with pytest.raises(ValueError, match="request 0 has no step-0 token"):
-        MTPDrafter(layer, 2).compact_rows(meta)
+        layer.begin_topk_reuse(meta)
 
 
 def test_rows_of_a_skipped_indexer_call_are_not_reusable():

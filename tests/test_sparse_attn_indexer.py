@@ -16,6 +16,7 @@ import pytest
 
 import cpsparse
 import cpsparse.indexer as indexer_mod
+import cpsparse.sparse_attn_indexer as sai_mod
 from cpsparse import _backend
 from cpsparse.cache import IndexerKCache
 from cpsparse.indexer import IndexerStats, sparse_attn_indexer
@@ -454,9 +455,9 @@ def spy_topk(monkeypatch, buf, tokens):
             return fn(*args, **kwargs)
         return spy
 
-    monkeypatch.setattr(indexer_mod, "topk_per_row", wrap(indexer_mod.topk_per_row))
-    monkeypatch.setattr(indexer_mod, "topk_per_row_decode",
-                        wrap(indexer_mod.topk_per_row_decode))
+    monkeypatch.setattr(sai_mod, "topk_per_row_core", wrap(sai_mod.topk_per_row_core))
+    monkeypatch.setattr(sai_mod, "topk_per_row_decode_core",
+                        wrap(sai_mod.topk_per_row_decode_core))
     return seen
 
 

@@ -37,6 +37,8 @@ import pathlib
 import threading
 from typing import NamedTuple
 
+import numpy
+
 from cpsparse import _backend
 
 __all__ = ["MODULES", "ModuleSpec", "Capabilities", "at_least", "exactly",
@@ -151,22 +153,26 @@ class ModuleSpec(NamedTuple):
     capabilities: Capabilities
     ops: tuple = ()         # public cpsparse ops whose CuPy path runs this module
     needs: str = ""         # why the capability rule (for messages and docs)
+    defines: tuple = ()     # (NAME, value) pairs emitted as #define before the sources
 
 
 # module name -> ModuleSpec, in registration order
 MODULES = {}
 
 
-def register_module(name, files, options=(), *, capabilities, ops=(), needs=""):
-    """Declare a kernel module: its source files (``.cuh`` first), options and the
-    compute capabilities it runs on (a :class:`Capabilities`, required)."""
+def register_module(name, files, options=(), *, capabilities, ops=(), needs="", defines=None):
+    """Declare a kernel module: its source files (``.cuh`` first), options, the
+    compute capabilities it runs on (a :class:`Capabilities`, required) and the
+    constants the Python launcher owns (``defines``: emitted as ``#define`` lines in
+    front of the sources, so kernel and launcher cannot disagree)."""
     if not isinstance(capabilities, Capabilities):
         raise TypeError(f"capabilities of module {name} must be at_least(...) or "
                         f"exactly(...), got {capabilities!r}")
     for f in files:
         if not (SOURCE_DIR / f).is_file():
             raise FileNotFoundError(f"kernel source {f} of module {name} is missing")
-    MODULES[name] = ModuleSpec(tuple(files), tuple(options), capabilities, tuple(ops), needs)
+    MODULES[name] = ModuleSpec(tuple(files), tuple(options), capabilities, tuple(ops), needs,
+                               tuple((defines or {}).items()))
 
 
 def _spec(name):
@@ -179,8 +185,11 @@ def _spec(name):
 
 def module_source(name):
     """The single source string of a module (its files concatenated in order)."""
-    parts = []
-    for f in _spec(name).files:
+    spec = _spec(name)
+    parts = [f"// ---- constants owned by cpsparse.raw_kernels.{name} ----\n"] if spec.defines \
+        else []
+    parts += [f"#define {key} {int(value)}\n" for key, value in spec.defines]
+    for f in spec.files:
         parts.append(f"// ---- {f} ----\n")
         parts.append((SOURCE_DIR / f).read_text())
         parts.append("\n")
@@ -378,27 +387,91 @@ def precompile(modules=None):
     return names
 
 
+# ---- launch helpers: one memo per device for kernels and device facts ------------
+
+WARPS_PER_BLOCK = 8
+i32, i64, f32 = numpy.int32, numpy.int64, numpy.float32
+_INT32 = numpy.dtype(numpy.int32)
+
+
+def blocks_for(n, per_block):
+    """Blocks of ``per_block`` items covering ``n`` (at least one)."""
+    return max(1, -(-int(n) // per_block))
+
+
+class DeviceFacts(NamedTuple):
+    """What the launchers need to know of a device (read once per device)."""
+    id: int
+    capability: tuple
+    sms: int
+    smem_per_sm: int          # bytes of shared memory per multiprocessor
+    smem_per_block: int       # opt-in maximum of dynamic shared memory per block
+
+
+_DEVICES = {}                 # device id -> DeviceFacts
+_KERNELS = {}                 # (device id, module, kernel) -> [RawKernel, smem limit set]
+
+
+def device_facts():
+    """:class:`DeviceFacts` of CuPy's current device (memoized)."""
+    cp = _cupy()
+    dev = cp.cuda.runtime.getDevice()
+    facts = _DEVICES.get(dev)
+    if facts is None:
+        props = cp.cuda.runtime.getDeviceProperties(dev)
+        facts = _DEVICES[dev] = DeviceFacts(
+            dev, (int(props["major"]), int(props["minor"])), int(props["multiProcessorCount"]),
+            int(props["sharedMemPerMultiprocessor"]), int(props["sharedMemPerBlockOptin"]))
+    return facts
+
+
+def grid_stride_blocks(n, threads):
+    """Blocks of a grid-stride loop over ``n`` items: enough to fill the device."""
+    return min(blocks_for(n, threads), device_facts().sms * 16)
+
+
+def kernel(module, name, smem=0, carveout=None):
+    """The ``RawKernel`` ``name`` of ``module`` on the current device (memoized), with
+    its dynamic shared-memory limit raised to at least ``smem`` bytes."""
+    cp = _cupy()
+    key = (cp.cuda.runtime.getDevice(), module, name)
+    entry = _KERNELS.get(key)
+    if entry is None:
+        fn = get_function(module, name)
+        if carveout is not None:
+            fn.preferred_shared_memory_carveout = carveout
+        entry = _KERNELS[key] = [fn, 0]
+    if smem > entry[1]:
+        entry[0].max_dynamic_shared_size_bytes = int(smem)
+        entry[1] = int(smem)
+    return entry[0]
+
+
+def index_i32(cp, a):
+    """``a`` as the int32 the kernels take: itself if int32, else a saturating copy.
+
+    int64 index arrays (vLLM's ``slot_mapping``, NumPy's and torch's default
+    integers) cost one elementwise pass; a value outside int32 saturates to
+    -2**31 or 2**31 - 1, which every kernel treats as out of range (masked or
+    skipped), never wrapping onto a valid index.
+    """
+    if a is None or a.dtype is _INT32 or a.dtype == _INT32:    # `is`: the fast path
+        return a
+    a = cp.ascontiguousarray(a)
+    out = cp.empty(a.shape, dtype=cp.int32)
+    n = a.size
+    if n:
+        kernel("quant", "cps_index_to_i32")((grid_stride_blocks(n, 256),), (256,),
+                                             (a, out, i64(n)))
+    return out
+
+
 # ---- registry ----------------------------------------------------------------
-# Kernel issues add their modules here, e.g.
-#   register_module("indexer", ["common.cuh", "indexer.cu"], capabilities=exactly((9, 0)))
+# Each op's launcher (raw_kernels/<op>.py, beside its .cu) registers its module when
+# imported: its sources, the compute capabilities it runs on, the constants it owns.
 # tests/test_kernel_compile.py compiles each module for every arch it claims
 # (sm_80, sm_90a, sm_100, sm_120) and checks that the ones it refuses fail.
-register_module("quant", ["common.cuh", "quant.cu"],
-                capabilities=at_least(8, 0),
-                ops=("quantize_fp8", "IndexerKCache.insert", "IndexerKCache.gather"),
-                needs="portable CUDA")
-register_module("indexer", ["common.cuh", "indexer.cu"],
-                capabilities=exactly((9, 0)),
-                ops=("mqa_logits", "paged_mqa_logits"),
-                needs="Hopper wgmma, compiled for sm_90a")
-register_module("topk", ["common.cuh", "topk.cu"], options=("-default-device",),
-                capabilities=at_least(9, 0),
-                ops=("topk_per_row", "topk_per_row_decode"),
-                needs="thread-block clusters and distributed shared memory")
-register_module("attention", ["common.cuh", "attention.cu"],
-                capabilities=exactly((9, 0)),
-                ops=("sparse_mla_attention", "dense_mla_attention", "local_to_global_slots"),
-                needs="Hopper wgmma, compiled for sm_90a")
+from cpsparse.raw_kernels import quant, indexer, topk, attention  # noqa: E402,F401
 
 # The lowest compute capability any module runs on (8.0). Before modules
 # declared their own capabilities this was the single requirement (9.0);

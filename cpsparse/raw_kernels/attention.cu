@@ -19,20 +19,20 @@
 //
 // Shared-memory tiles use the 128-byte swizzle of wgmma (K-major, 8-row x
 // 128-byte atoms, 16-byte chunk c of row r at chunk c ^ (r & 7)): a [64 x 576]
-// bf16 tile is 9 column blocks of [64 x 64] (8 KB each). The same layout feeds
-// ldmatrix without bank conflicts, so the three variants share it:
-//   _wg   : QK^T by wgmma m64n32k16 (A = Q, B = K, both K-major) and
-//           PV by wgmma m64n256k16 (A = P K-major, B = V MN-major, trans-b)
-//   _wgqk : wgmma for QK^T, mma.sync m16n8k16 for PV
-//   _mma  : mma.sync m16n8k16 for both (ldmatrix operands)
-// All three give the same fragment layout to the softmax and the epilogue:
-// warp wi (0..3) of warpgroup wg holds heads 16wi + g (+8), g = lane / 4.
+// bf16 tile is 9 column blocks of [64 x 64] (8 KB each). Both products run on
+// the tensor cores by wgmma, operands straight from shared memory:
+//   QK^T by wgmma m64n32k16 (A = Q, B = K, both K-major),
+//   PV   by wgmma m64n256k16 (A = P K-major, B = V MN-major, trans-b).
+// Fragment layout of the softmax and the epilogue: warp wi (0..3) of warpgroup
+// wg holds heads 16wi + g (+8), g = lane / 4.
+// Shared cp.async / fence / wgmma helpers (cps_*): hopper.cuh.
 
+// ATT_THREADS and ATT_SMEM_BYTES are #defined by the launcher (raw_kernels/attention.py),
+// which owns them; the tile layout below must fit ATT_SMEM_BYTES (static_assert).
 #define ATT_D 576
 #define ATT_DV 512
 #define ATT_ROW_BYTES 1152          // bf16 row of the dense workspace
 #define ATT_REC_BYTES 656           // fp8_ds_mla record
-#define ATT_THREADS 256
 #define ATT_BLK 8192                // one [64 x 64] bf16 block
 #define ATT_TILE (9 * ATT_BLK)      // [64 x 576] bf16
 #define ATT_OFF_Q 0
@@ -41,14 +41,13 @@
 #define ATT_OFF_MAX 229376          // float [2][64] partial row max
 #define ATT_OFF_L 229888            // float [2][64] partial row sum
 #define ATT_OFF_VALID 230400        // int [2][64] key validity of the two tiles
-#define ATT_SMEM_USED 230912
-#define ATT_SMEM_BYTES (ATT_SMEM_USED + 1024)   // + alignment slack (1024-byte atoms)
+#define ATT_SMEM_USED (ATT_OFF_VALID + 2 * 64 * 4)
+static_assert(ATT_SMEM_USED + 1024 == ATT_SMEM_BYTES,
+              "the launcher's ATT_SMEM_BYTES must be the tile layout + 1024 bytes of "
+              "alignment slack");
+static_assert(ATT_THREADS == 256, "two warpgroups");
 #define ATT_NEG_INF (-__int_as_float(0x7f800000))
 #define ATT_LN2 0.693147180559945309f
-
-__device__ __forceinline__ u32 att_smem_u32(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
 
 __device__ __forceinline__ void att_st_v4(u32 addr, uint4 v) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
@@ -57,44 +56,6 @@ __device__ __forceinline__ void att_st_v4(u32 addr, uint4 v) {
 
 __device__ __forceinline__ void att_st_b32(u32 addr, u32 v) {
     asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ void att_cp_async16(u32 dst, const void* src, bool valid) {
-    const int n = valid ? 16 : 0;                  // 0: zero-fill, nothing read
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(dst), "l"(src), "r"(n) : "memory");
-}
-
-__device__ __forceinline__ void att_cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Commits any uncommitted cp.async of this thread too (the RoPE copies).
-__device__ __forceinline__ void att_cp_async_wait_all() {
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
-
-// Generic-proxy shared-memory writes -> visible to wgmma (async proxy).
-__device__ __forceinline__ void att_fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void att_ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-
-__device__ __forceinline__ void att_ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-
-__device__ __forceinline__ void att_mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3,
-                                             u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ float att_ex2(float x) {
@@ -136,31 +97,9 @@ __device__ __forceinline__ void att_dequant4(u32 w, float scale, u32& out01, u32
     out23 = att_pack_bf16(f2 * scale, f3 * scale);
 }
 
-// wgmma shared-memory descriptor, 128-byte swizzle.
-//   K-major: rows of 128 bytes, 8-row atoms 1024 bytes apart (SBO); LBO unused.
-//   MN-major: LBO = bytes between 64-element blocks along MN, SBO = bytes
-//   between 8-row groups along K.
-__device__ __forceinline__ u64 att_desc(u32 addr, u32 lbo, u32 sbo) {
-    u64 d = (u64)((addr & 0x3FFFFu) >> 4);
-    d |= (u64)((lbo >> 4) & 0x3FFFu) << 16;
-    d |= (u64)((sbo >> 4) & 0x3FFFu) << 32;
-    d |= (u64)1 << 62;
-    return d;
-}
-
-__device__ __forceinline__ void att_wgmma_fence() {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void att_wgmma_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void att_wgmma_wait0() {
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-
+// The two wgmma shapes of this module (under hopper.cuh's arch guard, CPS_HAS_WGMMA).
 __device__ __forceinline__ void att_wgmma_m64n32_kk(float (&d)[16], u64 da, u64 db, int accumulate) {
+#if CPS_HAS_WGMMA
     asm volatile(
         "{\n.reg .pred p;\n"
         "setp.ne.b32 p, %18, 0;\n"
@@ -172,9 +111,13 @@ __device__ __forceinline__ void att_wgmma_m64n32_kk(float (&d)[16], u64 da, u64 
           "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
         : "l"(da), "l"(db), "r"(accumulate));
+#else
+    CPS_WGMMA_MISSING();
+#endif
 }
 
 __device__ __forceinline__ void att_wgmma_m64n256_kmn(float (&d)[128], u64 da, u64 db, int accumulate) {
+#if CPS_HAS_WGMMA
     asm volatile(
         "{\n.reg .pred p;\n"
         "setp.ne.b32 p, %130, 0;\n"
@@ -207,14 +150,10 @@ __device__ __forceinline__ void att_wgmma_m64n256_kmn(float (&d)[128], u64 da, u
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
         : "l"(da), "l"(db), "r"(accumulate));
+#else
+    CPS_WGMMA_MISSING();
+#endif
 }
-
-template <int N>
-__device__ __forceinline__ void att_fence_regs(float (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
-}
-
 
 __device__ __forceinline__ void att_st_f32(u32 addr, float v) {
     asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(addr), "f"(v) : "memory");
@@ -263,7 +202,7 @@ __device__ __forceinline__ bool att_gather_rows(u32 sk, u32 valid,
 #pragma unroll
     for (int j = 0; j < 18; ++j) {
         const int cc = gsub + 4 * (j & 1);                 // chunk within the 64-dim block
-        att_cp_async16(dst + (j >> 1) * ATT_BLK + ((cc ^ sw) << 4),
+        cps_cp_async16(dst + (j >> 1) * ATT_BLK + ((cc ^ sw) << 4),
                        src + (size_t)(gsub + 4 * j) * 16, v);
     }
     att_st_s32(valid + 4 * grow, v);            // the row's 4 threads agree
@@ -325,8 +264,8 @@ __device__ __forceinline__ void att_store_raw(const AttRaw& r, const u8* __restr
     const int sw = grow & 7;
     const bool v = r.slot >= 0;
     const u8* rope = kv + (v ? (size_t)r.slot * ATT_REC_BYTES + 528 : (size_t)0);
-    att_cp_async16(dst + 8 * ATT_BLK + ((gsub ^ sw) << 4), rope + 16 * gsub, v);
-    att_cp_async16(dst + 8 * ATT_BLK + (((gsub + 4) ^ sw) << 4), rope + 16 * (gsub + 4), v);
+    cps_cp_async16(dst + 8 * ATT_BLK + ((gsub ^ sw) << 4), rope + 16 * gsub, v);
+    cps_cp_async16(dst + 8 * ATT_BLK + (((gsub + 4) ^ sw) << 4), rope + 16 * (gsub + 4), v);
     const float sc[4] = {__uint_as_float(r.scales.x), __uint_as_float(r.scales.y),
                          __uint_as_float(r.scales.z), __uint_as_float(r.scales.w)};
 #pragma unroll
@@ -343,75 +282,22 @@ __device__ __forceinline__ void att_store_raw(const AttRaw& r, const u8* __restr
     att_st_s32(valid + 4 * grow, v);            // the row's 4 threads agree
 }
 
-// S[16 heads x 32 keys] of this warp by mma.sync (same layout as wgmma m64n32).
-__device__ __forceinline__ void att_qk_mma(float (&s)[16], u32 sq, u32 sk, int wg, int wi,
-                                           int lane) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) s[i] = 0.f;
-    const int a_row = wi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-    const int a_sel = lane >> 4;
-    const int b_key = wg * 32 + (lane & 7) + ((lane >> 4) & 1) * 8;
-    const int b_sel = (lane >> 3) & 1;
-    const int sw = lane & 7;
-#pragma unroll 1
-    for (int ks = 0; ks < 36; ++ks) {
-        u32 a0, a1, a2, a3;
-        const int ca = ((2 * ks + a_sel) & 7) ^ sw;
-        att_ldsm_x4(sq + (ks >> 2) * ATT_BLK + a_row * 128 + (ca << 4), a0, a1, a2, a3);
-        const int cb = ((2 * ks + b_sel) & 7) ^ sw;
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            u32 b0, b1, b2, b3;
-            att_ldsm_x4(sk + (ks >> 2) * ATT_BLK + (b_key + 16 * p) * 128 + (cb << 4),
-                        b0, b1, b2, b3);
-            att_mma_bf16(s + 8 * p, a0, a1, a2, a3, b0, b1);
-            att_mma_bf16(s + 8 * p + 4, a0, a1, a2, a3, b2, b3);
-        }
-    }
-}
-
 // Issue S[64 heads x 32 keys of warpgroup wg] = Q K^T as 36 wgmma m64n32k16 (async).
 __device__ __forceinline__ void att_qk_wgmma(float (&s)[16], u32 sq, u32 sk, int wg) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = 0.f;
-    att_fence_regs(s);
-    att_wgmma_fence();
+    cps_fence_regs(s);
+    cps_wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 36; ++ks) {
         const u32 off = (ks >> 2) * ATT_BLK + (ks & 3) * 32;
-        att_wgmma_m64n32_kk(s, att_desc(sq + off, 16, 1024),
-                            att_desc(sk + wg * 4096 + off, 16, 1024), 1);
+        att_wgmma_m64n32_kk(s, cps_wgmma_desc(sq + off, 16, 1024),
+                            cps_wgmma_desc(sk + wg * 4096 + off, 16, 1024), 1);
     }
-    att_wgmma_commit();
+    cps_wgmma_commit();
 }
 
-// O[16 heads x 256 columns] += P[16 x 64] V[64 x 256] by mma.sync.
-__device__ __forceinline__ void att_pv_mma(float (&o)[128], u32 sp, u32 sk, int wg, int wi,
-                                           int lane) {
-    const int a_row = wi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-    const int a_sel = lane >> 4;
-    const int sw = lane & 7;
-    const int v_key = (lane & 7) + ((lane >> 3) & 1) * 8;
-    const int v_sel = lane >> 4;
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-        u32 a0, a1, a2, a3;
-        att_ldsm_x4(sp + a_row * 128 + (((2 * ks + a_sel) ^ sw) << 4), a0, a1, a2, a3);
-        const u32 vrow = sk + (16 * ks + v_key) * 128;
-#pragma unroll
-        for (int q = 0; q < 16; ++q) {
-            // columns wg*256 + 16q + 8 v_sel: block 4wg + q/4, chunk 2(q%4) + v_sel
-            const int blk = 4 * wg + (q >> 2);
-            const int cc = ((2 * (q & 3) + v_sel) ^ sw);
-            u32 b0, b1, b2, b3;
-            att_ldsm_x4_t(vrow + blk * ATT_BLK + (cc << 4), b0, b1, b2, b3);
-            att_mma_bf16(o + 8 * q, a0, a1, a2, a3, b0, b1);
-            att_mma_bf16(o + 8 * q + 4, a0, a1, a2, a3, b2, b3);
-        }
-    }
-}
-
-template <int KV_FP8, int QK_WG, int PV_WG>
+template <int KV_FP8>
 __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
                                          const u8* __restrict__ kv,
                                          const int* __restrict__ indices, int topk,
@@ -420,7 +306,7 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
                                          float* __restrict__ out, float* __restrict__ lse,
                                          int H, int d_v, float scale_log2) {
     extern __shared__ __align__(1024) u8 att_smem_raw[];
-    const u32 raw = att_smem_u32(att_smem_raw);
+    const u32 raw = cps_smem_u32(att_smem_raw);
     const u32 base = (raw + 1023u) & ~1023u;
     const u32 sq = base + ATT_OFF_Q;
     const u32 sp = base + ATT_OFF_P;
@@ -452,13 +338,8 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
 
     // ---- prologue: first key tile in flight, then Q -> bf16 shared --------------
     // fp8 cache: records are read into registers (AttRaw) and dequantized into
-    // the other K buffer.
-    //   _wg   : stored while the tensor cores run QK^T, the next tile's records
-    //           loaded while they run PV (one tile ahead, never both live at once);
-    //   _wgqk : loaded at the top of the iteration, stored after QK^T;
-    //   _mma  : loaded and stored after PV (latency exposed; fallback variant).
-    constexpr int kFp8Mode = !KV_FP8 ? 0 : (PV_WG ? 1 : (QK_WG ? 2 : 3));
-    constexpr bool kEarly = kFp8Mode == 2;
+    // the other K buffer: stored while the tensor cores run QK^T, the next tile's
+    // records loaded while they run PV (one tile ahead, never both live at once).
     AttRaw raw_next;
     bool v_cur = false, v_next = false;
     if (ntiles > 0) {
@@ -467,7 +348,7 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
         } else {
             v_next = att_gather_rows(base + ATT_OFF_K, s_valid, kv, irow, rbase, nk, num_slots, 0,
                                      grow, gsub);
-            att_cp_async_commit();
+            cps_cp_async_commit();
         }
     }
 #pragma unroll 3
@@ -494,7 +375,7 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
     if (KV_FP8 && ntiles > 0) {
         att_store_raw(raw_next, kv, base + ATT_OFF_K, s_valid, grow, gsub);
         v_cur = raw_next.slot >= 0;
-        if (kFp8Mode == 1) att_load_raw(raw_next, kv, irow, nk, num_slots, 1, grow, gsub);
+        att_load_raw(raw_next, kv, irow, nk, num_slots, 1, grow, gsub);
     }
 
     // ---- main loop over key tiles ------------------------------------------------
@@ -511,27 +392,24 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
         int any;
         int pf_slot = 0;
         if (KV_FP8) {
-            att_cp_async_wait_all();              // RoPE part of this tile
-            att_fence_proxy_async();
+            cps_cp_async_wait_all();              // RoPE part of this tile
+            cps_fence_proxy_async();
             any = __syncthreads_or(v_cur);
-            if (kFp8Mode == 1) {
-                pf_slot = __ldg(irow + min((it + 3) * 64 + grow, nk - 1));
-                pf_slot = att_slot_ok(pf_slot, num_slots) ? pf_slot : 0;   // prefetch in bounds
-            }
-            if (kEarly && it + 1 < ntiles) att_load_raw(raw_next, kv, irow, nk, num_slots, it + 1, grow, gsub);
+            pf_slot = __ldg(irow + min((it + 3) * 64 + grow, nk - 1));
+            pf_slot = att_slot_ok(pf_slot, num_slots) ? pf_slot : 0;   // prefetch in bounds
         } else {
-            att_cp_async_wait_all();
-            att_fence_proxy_async();
+            cps_cp_async_wait_all();
+            cps_fence_proxy_async();
             any = __syncthreads_or(v_next);
             if (it + 1 < ntiles) {
                 v_next = att_gather_rows(sk_next, s_valid + (buf ^ 1) * 256, kv, irow, rbase,
                                          nk, num_slots, it + 1, grow, gsub);
-                att_cp_async_commit();
+                cps_cp_async_commit();
             }
         }
 
         float s[16];
-        if (kFp8Mode == 1) {
+        if (KV_FP8) {
             // Straight-line code between wgmma issue and wait (no divergent path, so
             // ptxas keeps the wgmmas asynchronous). Past the last tile the store and
             // load are harmless: nobody reads that buffer, masked rows load nothing new.
@@ -540,8 +418,8 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
                 att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
                 v_cur = raw_next.slot >= 0;
                 att_prefetch_record(kv, pf_slot, gsub);     // tile it + 3 -> L2
-                att_wgmma_wait0();
-                att_fence_regs(s);
+                cps_wgmma_wait<0>();
+                cps_fence_regs(s);
             } else {
                 att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
                 v_cur = raw_next.slot >= 0;
@@ -549,27 +427,10 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
                 continue;
             }
         } else {
-            if (any) {
-                if (QK_WG) {
-                    att_qk_wgmma(s, sq, sk, wg);
-                    att_wgmma_wait0();
-                    att_fence_regs(s);
-                } else {
-                    att_qk_mma(s, sq, sk, wg, wi, lane);
-                }
-            }
-            if (kEarly && it + 1 < ntiles) {
-                att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
-                v_cur = raw_next.slot >= 0;
-            }
-            if (!any) {                           // every key of this tile is masked
-                if (kFp8Mode == 3 && it + 1 < ntiles) {
-                    att_load_raw(raw_next, kv, irow, nk, num_slots, it + 1, grow, gsub);
-                    att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
-                    v_cur = raw_next.slot >= 0;
-                }
-                continue;
-            }
+            if (!any) continue;                   // every key of this tile is masked
+            att_qk_wgmma(s, sq, sk, wg);
+            cps_wgmma_wait<0>();
+            cps_fence_regs(s);
         }
 
         // ---- online softmax (base 2) --------------------------------------------
@@ -617,13 +478,10 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
         }
         l0 = l0 * al0 + ps0;
         l1 = l1 * al1 + ps1;
-        if (PV_WG) att_fence_proxy_async();
-        // _wg: the barrier also tells whether any row's running max moved (alpha != 1);
-        // if none did, the rescale of O is skipped (the mma.sync variants always
-        // rescale: fewer live registers).
-        int rescale = 1;
-        if (PV_WG) rescale = __syncthreads_or(al0 != 1.f || al1 != 1.f);
-        else __syncthreads();
+        cps_fence_proxy_async();                  // P -> the async proxy (wgmma)
+        // The barrier also tells whether any row's running max moved (alpha != 1);
+        // if none did, the rescale of O is skipped.
+        const int rescale = __syncthreads_or(al0 != 1.f || al1 != 1.f);
 
         // ---- O = alpha O + P V ----------------------------------------------------
         if (rescale) {
@@ -635,27 +493,18 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
                 o[4 * n + 3] *= al1;
             }
         }
-        if (PV_WG) {
-            att_fence_regs(o);
-            att_wgmma_fence();
+        cps_fence_regs(o);
+        cps_wgmma_fence();
 #pragma unroll
-            for (int ks = 0; ks < 4; ++ks) {
-                att_wgmma_m64n256_kmn(o, att_desc(sp + ks * 32, 16, 1024),
-                                      att_desc(sk + wg * 4 * ATT_BLK + ks * 2048, ATT_BLK, 1024),
-                                      1);
-            }
-            att_wgmma_commit();
-            if (kFp8Mode == 1) att_load_raw(raw_next, kv, irow, nk, num_slots, it + 2, grow, gsub);
-            att_wgmma_wait0();
-            att_fence_regs(o);
-        } else {
-            att_pv_mma(o, sp, sk, wg, wi, lane);
+        for (int ks = 0; ks < 4; ++ks) {
+            att_wgmma_m64n256_kmn(o, cps_wgmma_desc(sp + ks * 32, 16, 1024),
+                                  cps_wgmma_desc(sk + wg * 4 * ATT_BLK + ks * 2048, ATT_BLK, 1024),
+                                  1);
         }
-        if (kFp8Mode == 3 && it + 1 < ntiles) {
-            att_load_raw(raw_next, kv, irow, nk, num_slots, it + 1, grow, gsub);
-            att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
-            v_cur = raw_next.slot >= 0;
-        }
+        cps_wgmma_commit();
+        if (KV_FP8) att_load_raw(raw_next, kv, irow, nk, num_slots, it + 2, grow, gsub);
+        cps_wgmma_wait<0>();
+        cps_fence_regs(o);
     }
 
     // ---- epilogue: normalise, write out [T, H, d_v] and lse [T, H] ---------------
@@ -695,23 +544,19 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
     }
 }
 
-#define ATT_KERNEL(NAME, FP8, QKW, PVW)                                                     \
+#define ATT_KERNEL(NAME, FP8)                                                               \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1)                            \
     NAME(const void* __restrict__ q, int q_half, const u8* __restrict__ kv,                 \
          const int* __restrict__ indices, int topk, int num_slots,                          \
          const int* __restrict__ row_start, const int* __restrict__ row_len,                \
          float* __restrict__ out, float* __restrict__ lse, int H, int d_v,                  \
          float scale_log2) {                                                                \
-        att_body<FP8, QKW, PVW>(q, q_half, kv, indices, topk, num_slots, row_start,         \
-                                row_len, out, lse, H, d_v, scale_log2);                     \
+        att_body<FP8>(q, q_half, kv, indices, topk, num_slots, row_start, row_len, out,     \
+                      lse, H, d_v, scale_log2);                                             \
     }
 
-ATT_KERNEL(cps_sparse_mla_fp8_wg, 1, 1, 1)
-ATT_KERNEL(cps_sparse_mla_bf16_wg, 0, 1, 1)
-ATT_KERNEL(cps_sparse_mla_fp8_wgqk, 1, 1, 0)
-ATT_KERNEL(cps_sparse_mla_bf16_wgqk, 0, 1, 0)
-ATT_KERNEL(cps_sparse_mla_fp8_mma, 1, 0, 0)
-ATT_KERNEL(cps_sparse_mla_bf16_mma, 0, 0, 0)
+ATT_KERNEL(cps_sparse_mla_fp8, 1)
+ATT_KERNEL(cps_sparse_mla_bf16, 0)
 
 // Dense workspace -> bf16 bit patterns (round to nearest even).
 extern "C" __global__ void cps_f32_to_bf16(const float* __restrict__ x, u16* __restrict__ y,

@@ -34,66 +34,18 @@
 //   * WG = false: mma.sync.m16n8k32 e4m3 with ldmatrix (any sm_89+).
 // The accumulator layout of both is the same, so they share the epilogue.
 
-#define CPS_IDX_D 128
-#define CPS_IDX_TILE 64
-#define CPS_IDX_THREADS 128
-#define CPS_IDX_STAGES 4          // key tiles in the prefill ring (decode: 3 or 4)
-#define CPS_IDX_MAX_ROWS 64
-#define CPS_IDX_BT_CAP 256
+// CPS_IDX_D, CPS_IDX_TILE, CPS_IDX_THREADS, CPS_IDX_STAGES (key tiles in the prefill
+// ring), CPS_IDX_MAX_ROWS and CPS_IDX_BT_CAP are #defined by the launcher
+// (raw_kernels/indexer.py), which owns them.
 #define CPS_IDX_TILE_BYTES (CPS_IDX_TILE * CPS_IDX_D)
 #define CPS_NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ u32 cps_smem_u32(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void cps_cp_async16(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
 
 __device__ __forceinline__ void cps_cp_async4(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
                  :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 
-__device__ __forceinline__ void cps_cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void cps_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
-}
-
-__device__ __forceinline__ void cps_fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// ---- wgmma (sm_90a) ------------------------------------------------------------
-
-// K-major operand with 128-byte rows, 128B swizzle: 8-row groups 1024 bytes apart.
-__device__ __forceinline__ u64 cps_wgmma_desc(u32 saddr) {
-    return (u64)((saddr & 0x3FFFFu) >> 4) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void cps_wgmma_fence() {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void cps_wgmma_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void cps_wgmma_wait0() {
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define CPS_HAS_WGMMA 1
-#else
-#define CPS_HAS_WGMMA 0
-#endif
+// ---- wgmma (sm_90a; CPS_HAS_WGMMA and the shared helpers in hopper.cuh) -----------
 
 __device__ __forceinline__ void cps_wgmma_m64n64k32(float* d, u64 da, u64 db, int scale_d) {
 #if CPS_HAS_WGMMA
@@ -109,6 +61,8 @@ __device__ __forceinline__ void cps_wgmma_m64n64k32(float* d, u64 da, u64 db, in
           "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
           "+f"(d[31])
         : "l"(da), "l"(db), "r"(scale_d));
+#else
+    CPS_WGMMA_MISSING();
 #endif
 }
 
@@ -133,22 +87,12 @@ __device__ __forceinline__ void cps_wgmma_m64n128k32(float* d, u64 da, u64 db, i
           "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]),
           "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(da), "l"(db), "r"(scale_d));
+#else
+    CPS_WGMMA_MISSING();
 #endif
 }
 
-// Keep the compiler from touching the accumulators across the asynchronous wgmma.
-template <int N>
-__device__ __forceinline__ void cps_fence_regs(float* d) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
-}
-
 // ---- mma.sync (sm_89+) ---------------------------------------------------------
-
-__device__ __forceinline__ void cps_ldmatrix_x4(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
 
 __device__ __forceinline__ void cps_mma_e4m3(float* d, const u32* a, u32 b0, u32 b1, bool zero) {
     const float c0 = zero ? 0.f : d[0], c1 = zero ? 0.f : d[1];
@@ -426,14 +370,14 @@ __device__ __forceinline__ void cps_idx_cta(
                 cps_wgmma_fence();
 #pragma unroll
                 for (int ks = 0; ks < 4; ++ks) {
-                    const u64 da = cps_wgmma_desc(a_addr + 32 * ks);
-                    const u64 db = cps_wgmma_desc(b_addr + 32 * ks);
+                    const u64 da = cps_wgmma_desc(a_addr + 32 * ks, 0, 1024);
+                    const u64 db = cps_wgmma_desc(b_addr + 32 * ks, 0, 1024);
                     if constexpr (NC == 64) cps_wgmma_m64n64k32(acc, da, db, ks);
                     else cps_wgmma_m64n128k32(acc, da, db, ks);
                 }
                 cps_wgmma_commit();
-                cps_wgmma_wait0();
-                cps_fence_regs<NC / 2>(acc);
+                cps_wgmma_wait<0>();
+                cps_fence_regs(acc);
 #pragma unroll
                 for (int i = 0; i < NC / 8; ++i)
                     epi(i, acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
@@ -551,13 +495,11 @@ __device__ __forceinline__ void cps_paged_body(
     }
 
 // _n64 / _n128: one chunk of 64 / 128 columns (weights in registers); _n128m: next_n rows
-// spread over several 128-column chunks (weights in smem); _sS: S key tiles in the ring.
+// spread over several 128-column chunks (weights in smem); _sS: S key tiles in the ring
+// (the launcher's DECODE_STAGES = 3 for wgmma, MMA_STAGES = 4 for mma.sync).
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n64_s3, 64, true, true, 3, 6)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n64_s4, 64, true, true, 4, 5)
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128_s3, 128, true, true, 3, 4)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128_s4, 128, true, true, 4, 4)
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128m_s3, 128, true, false, 3, 4)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128m_s4, 128, true, false, 4, 4)
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n64_s4, 64, false, true, 4, 3)
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n128_s4, 128, false, true, 4, 3)
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n128m_s4, 128, false, false, 4, 3)

@@ -4,7 +4,8 @@
 // One warp per group (quantize) or per token (insert/gather): a token's 128
 // values are 4 per lane, read as one float4 per lane (16-byte accesses).
 
-#define CPS_MAX_VEC 8
+// CPS_MAX_VEC (float4 vectors a lane holds: groups up to 32 * 4 * CPS_MAX_VEC values) is
+// #defined by the launcher (raw_kernels/quant.py), which owns it.
 
 // One warp quantizes n (multiple of 4, <= 32 * 4 * CPS_MAX_VEC) consecutive
 // float32 values with one scale: 16-byte loads, amax by shuffles, then one
@@ -133,4 +134,22 @@ extern "C" __global__ void cps_index_to_i32(const long long* __restrict__ src,
         const long long v = src[i];
         dst[i] = (int)max(min(v, 0x7FFFFFFFll), -0x80000000ll);
     }
+}
+
+// Scatter whole cache records (e.g. fp8_ds_mla's 656 bytes, encoded beforehand) into
+// their slots: one warp a record, 4-byte words. Slot -1 and any slot outside
+// [0, num_slots) are skipped: nothing is written for them, and no host pass is needed
+// to filter them out (graph-safe, no sync).
+extern "C" __global__ void cps_scatter_records(const u8* __restrict__ records,
+                                               const int* __restrict__ slots,
+                                               u8* __restrict__ data, long long num_slots,
+                                               long long n, int record_bytes) {
+    const int lane = threadIdx.x & 31;
+    const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= n) return;
+    const long long slot = slots[r];
+    if (slot < 0 || slot >= num_slots) return;
+    const u32* src = reinterpret_cast<const u32*>(records + r * record_bytes);
+    u32* dst = reinterpret_cast<u32*>(data + slot * record_bytes);
+    for (int w = lane; w < record_bytes / 4; w += 32) dst[w] = src[w];
 }

@@ -10,9 +10,10 @@
 // Algorithm (one row per CTA, or per cluster of C CTAs that split the row):
 //   R0  histogram of a coarse 11-bit key (the top 11 bits of the fp16 order
 //       key of the value: monotone in the float order, 32 bins per octave,
-//       so real logits spread well) over the row; the threshold bin B0 is
-//       where the count from the top reaches k. Filter pass: coarse > B0 ->
-//       emitted through an atomic cursor; coarse == B0 -> candidates.
+//       so real logits spread well) over every value of the row, one pass;
+//       the threshold bin B0 is where the count from the top reaches k.
+//       Filter pass: coarse > B0 -> emitted through an atomic cursor;
+//       coarse == B0 -> candidates.
 //   Finish: when the candidates number at most TK_RANK_MAX (the usual case:
 //       tens to a few hundred), they are gathered into one shared buffer (of
 //       rank 0, through distributed shared memory for a cluster) as packed
@@ -42,7 +43,6 @@
 #define TK_BINS 2048
 #define TK_CAND 1024
 #define TK_RANK_MAX 512
-#define TK_SAMPLE_MIN 8         // rows at least this many times k take the sample cut
 #define TK_MAX_CLUSTER 8
 
 struct TkSmem {
@@ -63,7 +63,6 @@ struct TkSmem {
     u32 tie_base;      // where its share of the threshold ties starts
     u32 take;          // its share of the ties (final round)
     u32 fin;           // this round decides the rest through the tie cursor
-    u32 found;         // the select found its threshold (enough counted)
 };
 
 // Full order key: NaN -> 0 (lowest), -0 -> +0, else the usual sign flip.
@@ -146,19 +145,16 @@ __device__ __forceinline__ void tk_store_all(u64* p, u64 v) {
     }
 }
 
-// Select modes: a round that may finish with the tie cursor only when it
-// is the last; a round that is the last; a sample (records T, nothing else).
+// Select modes: a round that may finish with the tie cursor only when all the
+// candidates at its threshold are needed; the last round (always finishes).
 #define TK_ROUND 0
 #define TK_LAST 1
-#define TK_SAMPLE 2
 
 // One thread records a round's outcome: threshold T, the cluster counts
 // above it and at it, this CTA's counts before it (ab, eb) and at it.
 __device__ __forceinline__ void tk_decide(TkSmem& s, u32 T, u32 above_tot, u32 eq_tot,
                                           u32 ab, u32 eb, u32 eq_local, int mode) {
-    s.found = 1u;
     s.T = T;
-    if (mode == TK_SAMPLE) return;
     const bool last = mode == TK_LAST;
     const u32 emitted = s.emitted;
     const u32 nn = s.need - above_tot;
@@ -181,7 +177,7 @@ __device__ __forceinline__ void tk_find_cluster(TkSmem& s, const u32* h, u32 nee
     const u32 full = 0xffffffffu;
     const u32 t1 = tk_sum_ranks<C>(h + 64 * lane);          // count in bins >= 64 lane
     const u32 m1 = __ballot_sync(full, t1 >= need);         // a prefix of lanes
-    if (m1 == 0u) return;                                   // fewer counted than need
+    if (m1 == 0u) return;             // fewer counted than need: never (see the callers)
     const int S = 31 - __clz(m1);
     const u32 b0 = 64u * S + 2u * lane;
     const u32 ta = tk_sum_ranks<C>(h + b0);
@@ -255,8 +251,9 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     }
     const int n = (int)(en - st);
 
-    // The row as 16-byte units from the aligned address at or below its start.
-    const float* q = logits + (long long)row * width + st;
+    // The row as 16-byte units from the aligned address at or below its start
+    // (st <= width < 2**31: a 32-bit offset from the row; a 64-bit one spills in c1_t256).
+    const float* q = (logits + (long long)row * width) + (int)st;
     const int head = (int)((reinterpret_cast<size_t>(q) >> 2) & 3);
     const float4* qa = reinterpret_cast<const float4*>(q - head);
     const int nv = (head + n + 3) >> 2;
@@ -265,7 +262,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     const int v_hi = min(nv, v_lo + per);
     const int ntiles = (v_hi - v_lo + TILE - 1) / TILE;
 
-    for (int b = tid; b < 2 * TK_BINS; b += THREADS) s.hist[0][b] = 0u;
+    for (int b = tid; b < TK_BINS; b += THREADS) s.hist[0][b] = 0u;   // R0's buffer
     if (tid == 0) {
         s.need = (u32)k;
         s.emitted = 0u;
@@ -322,7 +319,6 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             s.ncand = 0u;
         }
         __syncthreads();                                  // histogram complete
-        if (tid == 0) s.found = 0u;       // after the barrier: the last found has been read
         u32 loc[BPT];
         u32 sum = 0;
 #pragma unroll
@@ -392,43 +388,14 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
         }
     };
 
-    // ---- Sample cut (long rows): one value a thread (tile 0) is histogrammed;
-    // the bin where the sample count from the top reaches a safe multiple of
-    // the expected count above the threshold becomes the cut: the full pass
-    // counts only bins >= cut (few atomics). If fewer than k are counted the
-    // pass is redone without a cut (exact either way).
-    const bool sampled = (long long)n >= (long long)TK_SAMPLE_MIN * k;
-    u32 cut = 0u;
-    int hb = 0;                                          // buffer of the last select
-    if (sampled) {
-        load(0);
-        {
-            const int v = v_lo + tid, i = v * 4 - head;
-            if (v < v_hi && i >= 0 && i < n) atomicAdd(&s.hist[1][tk_coarse(vals[0].x)], 1u);
-        }
-        const float e = (float)(C * THREADS) * (float)k / (float)n;
-        const u32 r_cut = (u32)(2.f * e + 4.f * sqrtf(e)) + 16u;
-        select(1, r_cut, TK_SAMPLE);
-        if (s.found) cut = s.T;
-    }
+    // ---- R0: every value of the slice into the coarse histogram (n > k values in
+    // the row, so the count from the top reaches k: the threshold always exists).
     for (int t = 0; t < ntiles; ++t) {
-        if (t > 0 || !sampled) load(t);
-        each(t, [&](int, float x) {
-            const u32 c = tk_coarse(x);
-            if (c >= cut) atomicAdd(&s.hist[0][c], 1u);
-        });
+        load(t);
+        each(t, [&](int, float x) { atomicAdd(&s.hist[0][tk_coarse(x)], 1u); });
     }
     select(0, (u32)k, TK_ROUND);
-    if (!s.found) {                                      // the cut was too high: recount all
-        for (int b = tid; b < TK_BINS; b += THREADS) s.hist[1][b] = 0u;
-        __syncthreads();
-        for (int t = 0; t < ntiles; ++t) {
-            if (ntiles > 1) load(t);
-            each(t, [&](int, float x) { atomicAdd(&s.hist[1][tk_coarse(x)], 1u); });
-        }
-        select(1, (u32)k, TK_ROUND);
-        hb = 1;
-    }
+    int hb = 0;                                          // buffer of the last select
     const u32 B0 = s.T;
     bool fin = s.fin != 0u;
     bool to_rank = !fin && s.eq_tot <= TK_RANK_MAX;

@@ -9,6 +9,7 @@ query or in a valid key) makes that row's out and lse NaN, never the empty marke
 
 import numpy
 
+from cpsparse import paging
 from cpsparse.reference import fp8
 from cpsparse.reference._xp import xp_of
 
@@ -98,30 +99,11 @@ def dense_mla_attention(q, kv, sm_scale, d_v, cu_seqlens_q, cu_seqlens_k):
             logits = (q64[q0 + i0:q0 + i1] @ keys.T) * sm_scale
             i = xp.arange(i0, i1)[:, None, None]
             j = xp.arange(k_len)[None, None, :]
-            p, row_lse = _softmax_rows(xp, logits, j < k_len - q_len + i + 1)
+            p, row_lse = _softmax_rows(xp, logits, j < paging.causal_ends(q_len, k_len, i))
             out[q0 + i0:q0 + i1] = p @ keys[:, :d_v]
             lse[q0 + i0:q0 + i1] = row_lse
     return out, lse
 
 
-INT32_MAX = 2 ** 31 - 1
-
-
-def local_to_global_slots(indices, req_ids, block_table, block_size):
-    """``block_table[req, pos // B] * B + pos % B``, or -1.
-
-    -1 for a masked (negative) position and for anything out of range: a request
-    id outside the table, a position past its table row, a negative page id, or
-    a slot past int32 (it would wrap onto another request's page).
-    """
-    xp = xp_of(indices)
-    num_reqs, max_blocks = block_table.shape
-    pos = indices.astype(xp.int64)
-    req = req_ids.astype(xp.int64)[:, None]
-    valid = (pos >= 0) & (pos // block_size < max_blocks) & (req >= 0) & (req < num_reqs)
-    pages = xp.zeros(pos.shape, dtype=xp.int64)
-    rr, cc = xp.nonzero(valid)
-    pages[rr, cc] = block_table[req[rr, 0], pos[rr, cc] // block_size]
-    slots = pages * block_size + pos % block_size
-    valid &= (pages >= 0) & (slots <= INT32_MAX)
-    return xp.where(valid, slots, -1).astype(xp.int32)
+# The slot formula lives in cpsparse.paging (with the rest of the paging arithmetic).
+local_to_global_slots = paging.local_to_global_slots

@@ -11,6 +11,7 @@ bfloat16 RoPE values.
 
 import numpy
 
+from cpsparse import paging
 from cpsparse.reference import fp8
 from cpsparse.reference._xp import xp_of
 
@@ -70,9 +71,7 @@ def request_positions(cu_seq_lens, block_table, block_size):
     A position past its request's table row gets page -1 (read as nothing).
     """
     xp = xp_of(block_table)
-    lens = numpy.diff(cu_seq_lens)
-    req = numpy.repeat(numpy.arange(lens.size), lens)
-    pos = numpy.arange(int(cu_seq_lens[-1])) - numpy.repeat(cu_seq_lens[:-1], lens)
+    req, pos = paging.expand(numpy.diff(cu_seq_lens))
     col = pos // block_size
     inside = col < block_table.shape[1]
     req, col, inside = xp.asarray(req), xp.asarray(col), xp.asarray(inside)

@@ -63,10 +63,19 @@ def e4m3_encode(x):
     return code | sign
 
 
+_DEVICE_TABLES = {}
+
+
 def e4m3_decode(codes):
     """float32 values of e4m3fn codes (uint8)."""
     xp = xp_of(codes)
-    table = xp.asarray(_e4m3_table())
+    if xp is numpy:
+        return _e4m3_table()[codes]
+    # One copy of the table per device: no host-to-device upload per call.
+    dev = xp.cuda.runtime.getDevice()
+    table = _DEVICE_TABLES.get(dev)
+    if table is None:
+        table = _DEVICE_TABLES[dev] = xp.asarray(_e4m3_table())
     return table[codes]
 
 

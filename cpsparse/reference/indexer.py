@@ -10,6 +10,7 @@ dot products are *exact* in float64, in any summation order.
 
 import numpy
 
+from cpsparse import paging
 from cpsparse.reference import cache as cache_ref
 from cpsparse.reference import fp8
 from cpsparse.reference._xp import to_host, xp_of
@@ -68,19 +69,7 @@ def mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke):
     return out
 
 
-def decode_row_ends(context_lens, next_n):
-    """int64 [B * next_n]: exclusive end of the window of each decode row.
-
-    1-D ``context_lens`` [B]: row (b, j) sees positions ``< L_b - next_n + j + 1``
-    (clipped at 0). 2-D ``context_lens`` [B, next_n]: row (b, j) sees
-    ``< context_lens[b, j]``.
-    """
-    xp = xp_of(context_lens)
-    lens = context_lens.astype(xp.int64)
-    if lens.ndim == 2:
-        return lens.reshape(-1)
-    j = xp.arange(next_n, dtype=xp.int64)
-    return xp.maximum(lens[:, None] - next_n + j[None, :] + 1, 0).reshape(-1)
+decode_row_ends = paging.decode_row_ends
 
 
 def paged_mqa_logits(q_codes, cache_data, block_size, weights, context_lens, block_table,

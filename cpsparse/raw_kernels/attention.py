@@ -1,9 +1,8 @@
 """Sparse / dense MLA attention and slot mapping on CUDA (CuPy arrays).
 
-Launchers of ``raw_kernels/attention.cu``. The public ops in
-:mod:`cpsparse.attention` validate, then call these; a function here returns
-``None`` when the kernel does not cover the shape (the caller then runs the
-array-generic reference on the GPU instead).
+Launchers of ``attention.cu`` beside this file. The public ops in
+:mod:`cpsparse.attention` validate, check :func:`supports` and then call these
+(the op decides what to do with a shape the kernel does not cover).
 
 Covered: head dim 576 (= 512 latent + 64 RoPE), ``d_v`` even and <= 512, any
 number of heads (groups of 64 per CTA, the last one partial), any top-k.
@@ -18,54 +17,34 @@ bf16 as stored).
 """
 
 import math
-import os
 
 import numpy
 
-from cpsparse import raw_kernels
-from cpsparse.kernels import blocks_for, f32, i32, i64, index_i32
+from cpsparse import paging, raw_kernels
+from cpsparse.raw_kernels import f32, i32, i64, index_i32
 
 D_QK = 576
 D_V_MAX = 512
 RECORD_BYTES = 656              # fp8_ds_mla: 512 codes + 4 float32 scales + 64 bf16
 HEADS_PER_CTA = 64
-THREADS = 256
-SMEM_BYTES = 230912 + 1024      # ATT_SMEM_BYTES in attention.cu
+THREADS = 256                   # ATT_THREADS
+# Dynamic shared memory of a CTA (ATT_SMEM_BYTES): the tiles attention.cu lays out
+# (Q, two K tiles, P, row max / sum, key validity: 230912 bytes, checked there by a
+# static_assert) plus 1024 bytes to align them to the 1024-byte swizzle atoms.
+SMEM_BYTES = 230912 + 1024
 
-# "wg": wgmma for QK^T and PV (default); "wgqk": wgmma QK^T + mma.sync PV;
-# "mma": mma.sync for both. Same results up to fp32 summation order.
-VARIANTS = ("wg", "wgqk", "mma")
-_VARIANT = [os.environ.get("CPSPARSE_ATTN_VARIANT", "wg")]
-if _VARIANT[0] not in VARIANTS:
-    raise ValueError(f"Invalid CPSPARSE_ATTN_VARIANT: expected one of {VARIANTS}, "
-                     f"got {_VARIANT[0]!r}")
+raw_kernels.register_module(
+    "attention", ["common.cuh", "hopper.cuh", "attention.cu"], capabilities=raw_kernels.exactly((9, 0)),
+    ops=("sparse_mla_attention", "dense_mla_attention", "local_to_global_slots"),
+    needs="Hopper wgmma, compiled for sm_90a",
+    defines=dict(ATT_THREADS=THREADS, ATT_SMEM_BYTES=SMEM_BYTES))
 
-_KERNELS = {}
 _NULL = numpy.uint64(0)
 
 
-def set_variant(name):
-    """Select the attention kernel variant (see ``VARIANTS``); returns the previous one."""
-    if name not in VARIANTS:
-        raise ValueError(f"Invalid variant: expected one of {VARIANTS}, got {name!r}")
-    previous = _VARIANT[0]
-    _VARIANT[0] = name
-    return previous
-
-
-def get_variant():
-    return _VARIANT[0]
-
-
-def _attention_kernel(cp, fp8):
-    name = f"cps_sparse_mla_{'fp8' if fp8 else 'bf16'}_{_VARIANT[0]}"
-    key = (cp.cuda.Device().id, name)
-    fn = _KERNELS.get(key)
-    if fn is None:
-        fn = raw_kernels.get_function("attention", name)
-        fn.max_dynamic_shared_size_bytes = SMEM_BYTES
-        _KERNELS[key] = fn
-    return fn
+def _attention_kernel(fp8):
+    name = f"cps_sparse_mla_{'fp8' if fp8 else 'bf16'}"
+    return raw_kernels.kernel("attention", name, SMEM_BYTES)
 
 
 def supports(q_shape, d_v):
@@ -94,8 +73,8 @@ def to_bf16(cp, x):
     n = x.size
     if n:
         name = "cps_f16_to_bf16" if x.dtype == cp.float16 else "cps_f32_to_bf16"
-        fn = raw_kernels.get_function("attention", name)
-        fn((min(blocks_for(n, THREADS), 132 * 16),), (THREADS,), (x, y, i64(n)))
+        fn = raw_kernels.kernel("attention", name)
+        fn((raw_kernels.grid_stride_blocks(n, THREADS),), (THREADS,), (x, y, i64(n)))
     return y
 
 
@@ -117,7 +96,7 @@ def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_sc
     topk = 0 if indices is None else indices.shape[1]
     scale_log2 = numpy.float32(sm_scale * math.log2(math.e))
     groups = -(-heads // HEADS_PER_CTA)
-    fn = _attention_kernel(cp, fp8)
+    fn = _attention_kernel(fp8)
     fn((tokens * groups,), (THREADS,),
        (qq, i32(q_half), kv, _NULL if indices is None else indices, i32(topk), i32(num_slots),
         _NULL if row_start is None else row_start, _NULL if row_len is None else row_len,
@@ -126,45 +105,37 @@ def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_sc
     return out, lse
 
 
+def supports_rows(rows, fp8):
+    """True when the kernel reads these key rows (fp8_ds_mla records of 656 bytes, or
+    any dense float workspace)."""
+    return not fp8 or (rows.ndim == 2 and rows.shape[1] == RECORD_BYTES)
+
+
 def sparse_mla_attention(cp, q, rows, indices, sm_scale, d_v, fp8):
-    """out [T, H, d_v], lse [T, H] over ``rows[indices[t]]``, or None if not covered.
+    """out [T, H, d_v], lse [T, H] over ``rows[indices[t]]``.
 
     ``rows`` is the fp8_ds_mla record view uint8 [num_slots, 656] (``fp8``) or a
-    dense float workspace [S, 576].
+    dense float workspace [S, 576]. The caller checked :func:`supports` and
+    :func:`supports_rows`.
     """
-    if not supports(q.shape, d_v):
-        return None
-    if fp8:
-        if rows.ndim != 2 or rows.shape[1] != RECORD_BYTES:
-            return None
-        kv = rows
-    else:
-        kv = to_bf16(cp, rows)
+    kv = rows if fp8 else to_bf16(cp, rows)
     return _launch(cp, q, kv, fp8, indices=index_i32(cp, indices), sm_scale=sm_scale, d_v=d_v)
 
 
-def causal_rows(cu_q, cu_k):
-    """Per query token: first key row and number of visible keys (host int64 cu)."""
-    lens_q = numpy.diff(cu_q)
-    req = numpy.repeat(numpy.arange(lens_q.size), lens_q)
-    i = numpy.arange(int(cu_q[-1])) - numpy.repeat(cu_q[:-1], lens_q)
-    k_len = numpy.diff(cu_k)[req]
-    visible = numpy.clip(k_len - lens_q[req] + i + 1, 0, k_len)
-    return cu_k[:-1][req].astype(numpy.int32), visible.astype(numpy.int32)
-
-
-def dense_mla_attention(cp, q, kv, sm_scale, d_v, cu_q, cu_k):
+def dense_mla_attention(cp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges=None):
     """Causal attention per request with the sparse kernel over key ranges.
 
     Query i of a request sees keys ``[k0, k0 + k_len - q_len + i + 1)``: the
     kernel walks that range directly (no index array), so the cost is the
-    causal FLOPs, not the full square. ``cu_q``/``cu_k`` are host int64.
+    causal FLOPs, not the full square. ``cu_q``/``cu_k`` are host int64. The
+    caller checked :func:`supports`.
     """
-    if not supports(q.shape, d_v):
-        return None
-    start, visible = causal_rows(cu_q, cu_k)
-    return _launch(cp, q, to_bf16(cp, kv), False, row_start=cp.asarray(start),
-                   row_len=cp.asarray(visible), sm_scale=sm_scale, d_v=d_v)
+    if key_ranges is None:
+        start, visible = (cp.asarray(a) for a in paging.causal_key_ranges(cu_q, cu_k))
+    else:
+        start, visible = key_ranges       # device arrays of the batch metadata: no upload
+    return _launch(cp, q, to_bf16(cp, kv), False, row_start=start, row_len=visible,
+                   sm_scale=sm_scale, d_v=d_v)
 
 
 def local_to_global_slots(cp, indices, req_ids, block_table, block_size):
@@ -172,8 +143,8 @@ def local_to_global_slots(cp, indices, req_ids, block_table, block_size):
     out = cp.empty(indices.shape, dtype=cp.int32)
     n = indices.size
     if n:
-        fn = raw_kernels.get_function("attention", "cps_local_to_global_slots")
-        fn((min(blocks_for(n, THREADS), 132 * 16),), (THREADS,),
+        fn = raw_kernels.kernel("attention", "cps_local_to_global_slots")
+        fn((raw_kernels.grid_stride_blocks(n, THREADS),), (THREADS,),
            (index_i32(cp, indices), index_i32(cp, req_ids), index_i32(cp, block_table),
             i32(block_table.shape[0]), i32(block_table.shape[1]), i32(indices.shape[1]),
             i64(n), i32(block_size), out))

@@ -15,7 +15,7 @@ SM count, never on values. ``benchmarks/bench_topk.py`` times every variant.
 import numpy
 
 from cpsparse import raw_kernels
-from cpsparse.kernels import i32, i64, index_i32
+from cpsparse.raw_kernels import i32, i64, index_i32
 
 # Compiled configurations (topk.cu's TK_KERNEL lines): name -> (CTAs a row, threads).
 VARIANTS = {"c1": (1, 512), "c1_t256": (1, 256), "c2": (2, 512), "c4": (4, 512),
@@ -27,15 +27,14 @@ MIN_SLICE = 4096           # a CTA's share of a row is at least this many values
 
 MODE_ROWS, MODE_DECODE, MODE_DECODE_2D = 0, 1, 2
 
-_SMS = {}
+raw_kernels.register_module(
+    "topk", ["common.cuh", "topk.cu"], options=("-default-device",),
+    capabilities=raw_kernels.at_least(9, 0), ops=("topk_per_row", "topk_per_row_decode"),
+    needs="thread-block clusters and distributed shared memory")
 
 
 def _sm_count(cp):
-    dev = cp.cuda.Device()
-    n = _SMS.get(dev.id)
-    if n is None:
-        n = _SMS[dev.id] = int(dev.attributes["MultiProcessorCount"])
-    return n
+    return raw_kernels.device_facts().sms
 
 
 def choose_cluster(rows, width, sms):
@@ -69,7 +68,7 @@ def _launch(cp, logits, row_starts, row_ends, context_lens, next_n, mode, k, out
     cluster, threads = VARIANTS[variant]
     row_starts, row_ends = index_i32(cp, row_starts), index_i32(cp, row_ends)
     context_lens = index_i32(cp, context_lens)
-    fn = raw_kernels.get_function("topk", f"cps_topk_{variant}")
+    fn = raw_kernels.kernel("topk", f"cps_topk_{variant}")
     fn((rows * cluster,), (threads,),
        (logits, i64(width), row_starts, row_ends, context_lens, i32(next_n), i32(mode),
         i32(k), out))

@@ -1,15 +1,16 @@
 """Indexer scoring kernels (prefill ``mqa_logits`` and paged decode ``paged_mqa_logits``).
 
-Launchers of ``cpsparse/raw_kernels/indexer.cu``. Both ops take validated CuPy
+Launchers of ``indexer.cu`` beside this file. Both ops take validated CuPy
 arrays (:mod:`cpsparse.indexer` validates) and never synchronise with the host,
 so they can be captured in a CUDA graph (after a first call has compiled the
 module and set the kernels' shared-memory limit).
 
 Two tensor-core paths compute the same thing from the same shared-memory
 layout: ``"wgmma"`` (Hopper sm_90a, the default there) and ``"mma"``
-(``mma.sync`` e4m3, sm_89+). Shapes the kernels do not cover (head_dim != 128,
-more than 128 heads, a page size that is not a power of two >= 4, unaligned
-pointers) run the array-generic reference on the GPU instead.
+(``mma.sync`` e4m3). :func:`supports_prefill` and :func:`decode_plan` say which
+shapes the kernels cover (head_dim 128, at most 128 heads, a page size that is a
+power of two >= 4, 16-byte aligned codes); the op decides what to do with the
+others (it runs the reference, and warns).
 """
 
 import os
@@ -17,26 +18,29 @@ import os
 import numpy
 
 from cpsparse import raw_kernels
-from cpsparse.kernels import i32, index_i32
-from cpsparse.reference import indexer as _ref
+from cpsparse.raw_kernels import i32, index_i32
 
-D = 128                  # head_dim the kernels are written for
-TILE = 64                # keys per tile (one page of 64 in decode)
-THREADS = 128            # one warpgroup per CTA
-STAGES = 4               # key tiles in the ring of a prefill CTA (CPS_IDX_STAGES)
-DECODE_STAGES = (3, 4)   # ring depths compiled for the wgmma decode kernels
-DEFAULT_DECODE_STAGES = {"n64": 3, "n128": 3, "n128m": 3}   # measured best (H200)
-MAX_ROWS = 64            # query rows per CTA (CPS_IDX_MAX_ROWS)
-BT_CAP = 256             # page ids per decode piece (CPS_IDX_BT_CAP)
+# Constants of indexer.cu, owned here and emitted into the source as #defines.
+D = 128                  # head_dim the kernels are written for        (CPS_IDX_D)
+TILE = 64                # keys per tile (one page of 64 in decode)     (CPS_IDX_TILE)
+THREADS = 128            # one warpgroup per CTA                        (CPS_IDX_THREADS)
+STAGES = 4               # key tiles in the ring of a prefill CTA       (CPS_IDX_STAGES)
+DECODE_STAGES = 3        # key tiles in the ring of a wgmma decode CTA (measured best, H200)
+MMA_STAGES = 4           # ... of an mma.sync decode CTA
+MAX_ROWS = 64            # query rows per CTA                           (CPS_IDX_MAX_ROWS)
+BT_CAP = 256             # page ids per decode piece                    (CPS_IDX_BT_CAP)
 MAX_QROWS = 512          # next_n * hp columns per decode CTA
 MAX_PIECE_TILES = 128
-SM_SMEM = 233472         # shared memory per SM (H100/H200), bytes
+
+raw_kernels.register_module(
+    "indexer", ["common.cuh", "hopper.cuh", "indexer.cu"], capabilities=raw_kernels.exactly((9, 0)),
+    ops=("mqa_logits", "paged_mqa_logits"), needs="Hopper wgmma, compiled for sm_90a",
+    defines=dict(CPS_IDX_D=D, CPS_IDX_TILE=TILE, CPS_IDX_THREADS=THREADS,
+                 CPS_IDX_STAGES=STAGES, CPS_IDX_MAX_ROWS=MAX_ROWS, CPS_IDX_BT_CAP=BT_CAP))
 
 PATHS = ("wgmma", "mma")
 # "wgmma" or "mma"; CPSPARSE_INDEXER_PATH overrides (wgmma needs compute capability 9.0).
 DEFAULT_PATH = os.environ.get("CPSPARSE_INDEXER_PATH", "wgmma")
-
-_KERNELS = {}
 
 
 def smem_bytes(q_rows, stages=STAGES):
@@ -45,36 +49,18 @@ def smem_bytes(q_rows, stages=STAGES):
             + 2 * MAX_ROWS * 4 + BT_CAP * 4)
 
 
-_HAS_WGMMA = {}
-
-
-def _pick_path(cp, path):
+def _pick_path(path):
     path = DEFAULT_PATH if path is None else path
     if path not in PATHS:
         raise ValueError(f"Invalid path: expected one of {PATHS}, got {path!r}")
-    if path == "wgmma":
-        dev = cp.cuda.runtime.getDevice()
-        ok = _HAS_WGMMA.get(dev)
-        if ok is None:
-            cc = raw_kernels.parse_capability(cp.cuda.Device(dev).compute_capability)
-            ok = _HAS_WGMMA[dev] = cc == (9, 0)
-        if not ok:
-            path = "mma"
+    if path == "wgmma" and raw_kernels.device_facts().capability != (9, 0):
+        path = "mma"
     return path
 
 
-def _kernel(cp, name, smem):
-    """The RawKernel ``name`` with its dynamic shared-memory limit raised to ``smem``."""
-    key = (cp.cuda.runtime.getDevice(), name)
-    fn, limit = _KERNELS.get(key, (None, 0))
-    if fn is None:
-        fn = raw_kernels.get_function("indexer", name)
-        fn.preferred_shared_memory_carveout = 100     # all of the unified L1 as smem
-    if limit < smem:
-        fn.max_dynamic_shared_size_bytes = int(smem)
-        limit = int(smem)
-    _KERNELS[key] = (fn, limit)
-    return fn
+def _kernel(name, smem):
+    """The RawKernel ``name``, all of the unified L1 as shared memory, limit >= smem."""
+    return raw_kernels.kernel("indexer", name, smem, carveout=100)
 
 
 def _aligned(*arrays):
@@ -85,8 +71,17 @@ def _round8(h):
     return -(-int(h) // 8) * 8
 
 
+def supports_prefill(q_codes, k_codes):
+    """True when the prefill kernel covers these queries and keys (else None's reason)."""
+    return (q_codes.shape[2] == D and _round8(q_codes.shape[1]) <= 128
+            and _aligned(q_codes, k_codes))
+
+
 def mqa_logits(cp, q_codes, k_codes, k_scales, weights, ks, ke, out=None, path=None):
-    """float32 [M, N] logits; ``-inf`` outside ``[ks, ke)`` (see cpsparse.indexer)."""
+    """float32 [M, N] logits; ``-inf`` outside ``[ks, ke)`` (see cpsparse.indexer).
+
+    The caller checked :func:`supports_prefill`.
+    """
     m, heads, dim = q_codes.shape
     n = k_codes.shape[0]
     if out is None:
@@ -95,37 +90,24 @@ def mqa_logits(cp, q_codes, k_codes, k_scales, weights, ks, ke, out=None, path=N
         out.fill(-numpy.inf)
         return out
     hp = _round8(heads)
-    if dim != D or hp > 128 or not _aligned(q_codes, k_codes):
-        out[...] = _ref.mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke)
-        return out
     ks, ke = index_i32(cp, ks), index_i32(cp, ke)
     rows = 128 // hp
     nblocks = -(-m // rows)
     smem = smem_bytes(128)
-    fn = _kernel(cp, f"cps_mqa_logits_{_pick_path(cp, path)}", smem)
+    fn = _kernel(f"cps_mqa_logits_{_pick_path(path)}", smem)
     fn((nblocks,), (THREADS,),
        (q_codes, k_codes, k_scales, weights, ks, ke, out, i32(m), i32(n), i32(heads), i32(hp),
         i32(nblocks)), shared_mem=smem)
     return out
 
 
-def _sm_count(cp):
-    dev = cp.cuda.runtime.getDevice()
-    n = _SMS.get(dev)
-    if n is None:
-        n = _SMS[dev] = cp.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"]
-    return n
-
-
-_SMS = {}
-
-
-def decode_plan(batch, next_n, heads, width, block_size, sms=132, stages=None):
+def decode_plan(batch, next_n, heads, width, block_size, sms, smem_per_sm, stages=DECODE_STAGES):
     """Launch shape of the paged kernel, or None when it does not cover the case.
 
     Returns (variant, nc, nch, hp, stages, piece_tiles, pieces): kernel variant
     ("n64", "n128" or "n128m"), column chunk (64 or 128) and count, padded heads,
-    ring depth, tiles (64 keys) per piece and pieces per request.
+    ring depth, tiles (64 keys) per piece and pieces per request. Pure function of
+    the shapes and the device (``sms``, ``smem_per_sm``): the op caches it per shape.
 
     Each request's context is cut into equal pieces, one CTA each, so that the
     grid fills whole waves of resident CTAs: a CTA has a fixed start-up cost
@@ -143,8 +125,7 @@ def decode_plan(batch, next_n, heads, width, block_size, sms=132, stages=None):
     if nch * nc > MAX_QROWS:
         return None
     variant = "n64" if nc == 64 else ("n128" if nch == 1 else "n128m")
-    stages = DEFAULT_DECODE_STAGES[variant] if stages is None else int(stages)
-    per_sm = SM_SMEM // (smem_bytes(nch * nc, stages) + 1024)
+    per_sm = smem_per_sm // (smem_bytes(nch * nc, stages) + 1024)
     if variant != "n64":
         per_sm = min(per_sm, 4)                     # registers
     slots = max(1, sms * per_sm)
@@ -161,12 +142,34 @@ def decode_plan(batch, next_n, heads, width, block_size, sms=132, stages=None):
     return variant, nc, nch, hp, stages, pt, -(-tiles_w // pt)
 
 
+_PLANS = {}
+
+
+def paged_plan(batch, next_n, heads, dim, width, block_size, path=None):
+    """(path, plan) of a decode shape on the current device, memoized; plan None when the
+    kernel does not cover it (see :func:`decode_plan`)."""
+    facts = raw_kernels.device_facts()
+    key = (facts.id, batch, next_n, heads, dim, width, block_size, path)
+    hit = _PLANS.get(key)
+    if hit is None:
+        path_ = _pick_path(path)
+        stages = DECODE_STAGES if path_ == "wgmma" else MMA_STAGES
+        plan = None if dim != D else decode_plan(batch, next_n, heads, width, block_size,
+                                                 facts.sms, facts.smem_per_sm, stages)
+        hit = _PLANS[key] = (path_, plan)
+    return hit
+
+
+def supports_paged(q_codes, cache_data, plan):
+    return plan is not None and _aligned(q_codes, cache_data)
+
+
 def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max_context_len,
-                     out=None, path=None, piece_tiles=None, stages=None):
+                     out=None, path=None, piece_tiles=None, plan=None):
     """float32 [B * next_n, max_context_len] decode logits over the paged key cache.
 
-    ``piece_tiles`` (64-key tiles per CTA) and ``stages`` (3 or 4 tiles in the ring, wgmma)
-    override the launch plan (benchmarks).
+    The caller checked :func:`supports_paged`. ``piece_tiles`` (64-key tiles per CTA)
+    overrides the launch plan (benchmarks).
     """
     batch, next_n, heads, dim = q_codes.shape
     width = int(max_context_len)
@@ -175,22 +178,16 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
     if batch * next_n == 0 or width == 0:
         out.fill(-numpy.inf)
         return out
-    path = _pick_path(cp, path)
-    if path == "mma" or (stages is not None and int(stages) not in DECODE_STAGES):
-        stages = 4
-    plan = decode_plan(batch, next_n, heads, width, cache.block_size, _sm_count(cp), stages)
-    if (plan is None or dim != D or cache.head_dim != D
-            or not _aligned(q_codes, cache.data)):
-        out[...] = _ref.paged_mqa_logits(q_codes, cache.data, cache.block_size, weights,
-                                         context_lens, block_table, width)
-        return out
+    if plan is None:
+        plan = paged_plan(batch, next_n, heads, dim, width, cache.block_size, path)
+    path, plan = plan
     variant, nc, nch, hp, stages, pt, pieces = plan
     if piece_tiles is not None:
         pt = max(1, min(int(piece_tiles), (BT_CAP - 1) * cache.block_size // TILE))
         tiles_w = -(-width // TILE)
         pieces = -(-tiles_w // pt)
     smem = smem_bytes(nch * nc, stages)
-    fn = _kernel(cp, f"cps_paged_mqa_logits_{path}_{variant}_s{stages}", smem)
+    fn = _kernel(f"cps_paged_mqa_logits_{path}_{variant}_s{stages}", smem)
     context_lens = index_i32(cp, context_lens)
     block_table = index_i32(cp, block_table)
     lens_2d = i32(context_lens.ndim == 2)

@@ -1,0 +1,106 @@
+// Inline-asm helpers of the Hopper tensor-core modules (indexer, attention): shared
+// memory addresses, cp.async, ldmatrix, the async-proxy fence and wgmma. Header-free
+// like common.cuh; the loader concatenates it after common.cuh in front of each
+// module that lists it.
+#pragma once
+
+// ---- shared memory, cp.async, ldmatrix (sm_80+; fence.proxy.async sm_90+) --------
+
+__device__ __forceinline__ u32 cps_smem_u32(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// 16-byte global -> shared copy; valid == false zero-fills the 16 bytes and reads nothing.
+__device__ __forceinline__ void cps_cp_async16(u32 dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ void cps_cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Wait until at most N committed groups of this thread are still in flight.
+template <int N>
+__device__ __forceinline__ void cps_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
+// Wait for every cp.async of this thread, the uncommitted ones included.
+__device__ __forceinline__ void cps_cp_async_wait_all() {
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// Generic-proxy shared-memory writes (st.shared, cp.async) -> visible to wgmma (async proxy).
+__device__ __forceinline__ void cps_fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Four 8x8 b16 matrices; lane l gives the row address of matrix l / 8, row l % 8.
+__device__ __forceinline__ void cps_ldmatrix_x4(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// Keep the compiler from moving or touching the accumulators across an asynchronous
+// wgmma (between issue and wait they belong to the tensor cores).
+template <int N>
+__device__ __forceinline__ void cps_fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle (addresses and offsets in bytes).
+//   K-major (rows of 128 bytes, 8-row atoms): SBO = bytes between 8-row groups (1024
+//   for a dense tile); LBO unused while the instruction's K fits one 128-byte row.
+//   MN-major: LBO = bytes between 64-element blocks along MN, SBO = bytes between
+//   8-row groups along K.
+__device__ __forceinline__ u64 cps_wgmma_desc(u32 saddr, u32 lbo, u32 sbo) {
+    u64 d = (u64)((saddr & 0x3FFFFu) >> 4);
+    d |= (u64)((lbo >> 4) & 0x3FFFu) << 16;
+    d |= (u64)((sbo >> 4) & 0x3FFFu) << 32;
+    d |= (u64)1 << 62;
+    return d;
+}
+
+// ---- wgmma (sm_90a only) -----------------------------------------------------------
+// CPS_HAS_WGMMA is the one arch guard of every wgmma instruction: these helpers and
+// the mma_async shapes of indexer.cu and attention.cu. Only -arch=sm_90a has wgmma
+// (the loader compiles the modules that use it for compute capability 9.0 only).
+// Elsewhere each of them compiles to CPS_WGMMA_MISSING(): one wgmma.fence, which ptxas
+// rejects naming the instruction and the target ("Instruction 'wgmma.fence' not
+// supported on .target 'sm_100'", what tests/test_kernel_compile.py's refusal tests
+// read), so such a build fails instead of giving kernels without their matrix products.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define CPS_HAS_WGMMA 1
+#else
+#define CPS_HAS_WGMMA 0
+#endif
+#define CPS_WGMMA_MISSING() asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory")
+
+__device__ __forceinline__ void cps_wgmma_fence() {
+#if CPS_HAS_WGMMA
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#else
+    CPS_WGMMA_MISSING();
+#endif
+}
+
+__device__ __forceinline__ void cps_wgmma_commit() {
+#if CPS_HAS_WGMMA
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#else
+    CPS_WGMMA_MISSING();
+#endif
+}
+
+// Wait until at most N committed wgmma groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cps_wgmma_wait() {
+#if CPS_HAS_WGMMA
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+#else
+    CPS_WGMMA_MISSING();
+#endif
+}

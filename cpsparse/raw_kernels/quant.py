@@ -1,0 +1,74 @@
+"""FP8 quantization and indexer key cache kernels (insert, gather), launchers of
+``quant.cu`` beside this file; also the int64 -> int32 index conversion."""
+
+import numpy
+
+from cpsparse import raw_kernels
+from cpsparse.raw_kernels import WARPS_PER_BLOCK, blocks_for, f32, i32, i64, index_i32
+
+MAX_VEC = 8                     # float4 vectors a lane holds (CPS_MAX_VEC)
+MAX_GROUP = 32 * 4 * MAX_VEC    # largest quantization group (one warp)
+
+raw_kernels.register_module(
+    "quant", ["common.cuh", "quant.cu"], capabilities=raw_kernels.at_least(8, 0),
+    ops=("quantize_fp8", "IndexerKCache.insert", "IndexerKCache.gather"),
+    needs="portable CUDA", defines=dict(CPS_MAX_VEC=MAX_VEC))
+
+
+def supports_group(size):
+    return size % 4 == 0 and size <= MAX_GROUP
+
+
+def quantize_fp8(cp, x, block_size, scale_fmt, eps):
+    """codes uint8 x.shape, scales float32 [..., L // block_size] (float32 x)."""
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    codes = cp.empty(x.shape, dtype=cp.uint8)
+    scales = cp.empty(x.shape[:-1] + (x.shape[-1] // block_size,), dtype=cp.float32)
+    n_groups = scales.size
+    if n_groups:
+        fn = raw_kernels.kernel("quant", "cps_quantize_fp8")
+        fn((blocks_for(n_groups, WARPS_PER_BLOCK),), (32 * WARPS_PER_BLOCK,),
+           (x, codes, scales, i64(n_groups), i32(block_size), f32(numpy.float32(eps)),
+            i32(scale_fmt == "ue8m0")))
+    return codes, scales
+
+
+def indexer_insert(cp, cache, k, slot_mapping, eps):
+    n = k.shape[0]
+    if n == 0:
+        return
+    k = cp.ascontiguousarray(k, dtype=cp.float32)
+    fn = raw_kernels.kernel("quant", "cps_indexer_k_quant_and_cache")
+    fn((blocks_for(n, WARPS_PER_BLOCK),), (32 * WARPS_PER_BLOCK,),
+       (k, index_i32(cp, slot_mapping), cache.data, i64(cache.num_slots), i64(n),
+        i32(cache.head_dim), i32(cache.block_size),
+        f32(numpy.float32(eps)), i32(cache.scale_fmt == "ue8m0")))
+
+
+def indexer_gather(cp, cache, block_table, cu_seq_lens, num_keys, key_req_ids):
+    """codes uint8 [num_keys, D], scales float32 [num_keys] of a packed batch; row n of
+    request ``key_req_ids[n]`` is position ``n - cu_seq_lens[r]`` (no host reads)."""
+    n = int(num_keys)
+    codes = cp.empty((n, cache.head_dim), dtype=cp.uint8)
+    scales = cp.empty((n,), dtype=cp.float32)
+    if n == 0:
+        return codes, scales
+    fn = raw_kernels.kernel("quant", "cps_indexer_k_gather")
+    fn((blocks_for(n, WARPS_PER_BLOCK),), (32 * WARPS_PER_BLOCK,),
+       (cache.data, i32(cache.num_blocks), index_i32(cp, block_table),
+        i32(block_table.shape[1]), index_i32(cp, cu_seq_lens), index_i32(cp, key_req_ids),
+        codes, scales, i64(n), i32(cache.head_dim), i32(cache.block_size)))
+    return codes, scales
+
+
+def scatter_records(cp, data, records, slot_mapping):
+    """Write records uint8 [N, T] into ``data`` [num_blocks, B, T] at their slots (T a
+    multiple of 4, 4-byte aligned); slot -1 and out-of-range slots are skipped."""
+    n = records.shape[0]
+    if n == 0:
+        return
+    num_slots = data.shape[0] * data.shape[1]
+    fn = raw_kernels.kernel("quant", "cps_scatter_records")
+    fn((blocks_for(n, WARPS_PER_BLOCK),), (32 * WARPS_PER_BLOCK,),
+       (cp.ascontiguousarray(records), index_i32(cp, slot_mapping), data, i64(num_slots),
+        i64(n), i32(records.shape[1])))

@@ -1,0 +1,192 @@
+"""cpsparse.timing on its NumPy/CPU path: statistics, rotation, warm-up, probes, host time.
+
+The CUDA paths (events, graphs, torch) need a GPU; here every clock is the
+host's, and most tests drive a fake one so that the expected figures are exact.
+"""
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from cpsparse import timing
+
+
+class FakeClock:
+    """``time.perf_counter`` / ``perf_counter_ns`` that only move when a call 'costs'."""
+
+    def __init__(self):
+        self.now = 100.0                      # seconds
+
+    def perf_counter(self):
+        return self.now
+
+    def perf_counter_ns(self):
+        return int(round(self.now * 1e9))
+
+    def spend(self, ms):
+        self.now += ms / 1e3
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(timing.time, "perf_counter", fake.perf_counter)
+    monkeypatch.setattr(timing.time, "perf_counter_ns", fake.perf_counter_ns)
+    return fake
+
+
+def test_summarize_median_and_percentiles():
+    t = timing.summarize([5.0, 1.0, 2.0, 4.0, 3.0])
+    assert t == {"median_ms": 3.0, "p10_ms": pytest.approx(1.4), "p90_ms": pytest.approx(4.6),
+                 "iters": 5}
+    assert timing.summarize([7.0], unit="us") == {"median_us": 7.0, "p10_us": 7.0,
+                                                  "p90_us": 7.0, "iters": 1}
+    with pytest.raises(ValueError, match="at least one"):
+        timing.summarize([])
+
+
+def test_percentiles_bracket_the_median_on_any_sample():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 10, 101):
+        t = timing.summarize(rng.exponential(size=n))
+        assert t["p10_ms"] <= t["median_ms"] <= t["p90_ms"]
+        assert t["iters"] == n
+
+
+def test_time_cpu_measures_each_call_of_known_cost(clock):
+    costs = iter([1000.0, 1000.0] + [float(c) for c in range(1, 11)])  # 2 warm-ups, 10 timed
+
+    def fn():
+        clock.spend(next(costs))
+
+    t = timing.time_cpu(fn, warmup=2, iters=10)
+    # the warm-ups (1 s each) are not in the figures; timed calls cost 1..10 ms
+    assert t["iters"] == 10
+    assert t["median_ms"] == pytest.approx(5.5)
+    assert t["p10_ms"] == pytest.approx(1.9)
+    assert t["p90_ms"] == pytest.approx(9.1)
+
+
+def test_time_cpu_real_sleep():
+    t = timing.time_cpu(time.sleep, [(0.003,)], warmup=1, iters=5)
+    assert 2.9 <= t["p10_ms"] <= t["median_ms"] <= t["p90_ms"]
+    assert t["median_ms"] < 100
+
+
+def test_inputs_rotate_call_by_call(clock):
+    seen = []
+
+    def fn(i, tag):
+        seen.append((i, tag))
+        clock.spend(1.0 + i)
+
+    inputs = [(0, "a"), (1, "b"), (2, "c")]
+    t = timing.time_cpu(fn, inputs, warmup=2, iters=7)
+    assert seen == [inputs[k % 3] for k in range(9)]
+    # timed calls are calls 2..8: inputs 2, 0, 1, 2, 0, 1, 2 -> costs 3, 1, 2, 3, 1, 2, 3
+    assert t["median_ms"] == pytest.approx(2.0)
+    assert t["p90_ms"] == pytest.approx(3.0)
+
+
+def test_bare_arguments_and_validation():
+    seen = []
+    timing.time_cpu(seen.append, [1, 2], warmup=0, iters=3)
+    assert seen == [1, 2, 1]
+    with pytest.raises(ValueError, match="iters"):
+        timing.time_cpu(lambda: None, iters=0)
+    with pytest.raises(ValueError, match="warmup"):
+        timing.time_cpu(lambda: None, warmup=-1)
+    with pytest.raises(ValueError, match="inputs"):
+        timing.time_cpu(lambda: None, [])
+
+
+def test_time_op_uses_the_cpu_clock_for_numpy(clock):
+    t = timing.time_op(np, lambda: clock.spend(4.0), warmup=1, iters=3)
+    assert t == {"median_ms": pytest.approx(4.0), "p10_ms": pytest.approx(4.0),
+                 "p90_ms": pytest.approx(4.0), "iters": 3}
+
+
+def test_time_host_in_microseconds(clock):
+    costs = iter([50.0] + [0.010, 0.020, 0.030, 0.040, 0.050])     # ms: 10 .. 50 us
+
+    def fn():
+        clock.spend(next(costs))
+
+    t = timing.time_host(fn, xp=np, warmup=1, iters=5)
+    assert set(t) == {"median_us", "p10_us", "p90_us", "iters"}
+    assert t["median_us"] == pytest.approx(30.0)
+    assert t["p10_us"] == pytest.approx(14.0)
+    assert t["iters"] == 5
+
+
+def test_probe_times_the_inner_call_of_each_timed_call(clock):
+    probe = timing.Probe(np)
+
+    def inner(ms):
+        clock.spend(ms)
+
+    inner_timed = probe.wrap(inner)
+    inner_costs = iter([100.0, 1.0, 2.0, 3.0])          # a warm-up, then 3 timed calls
+
+    def driver():
+        clock.spend(10.0)                               # the driver's own work
+        inner_timed(next(inner_costs))
+
+    t = timing.time_cpu(driver, warmup=1, iters=3, probe=probe)
+    assert t["median_ms"] == pytest.approx(12.0)        # 10 + inner
+    assert t["inner"]["median_ms"] == pytest.approx(2.0)
+    assert t["inner"]["iters"] == 3                     # the warm-up's interval is dropped
+
+
+def test_probe_start_stop_marks(clock):
+    probe = timing.Probe(np)
+
+    def driver():
+        clock.spend(5.0)
+        probe.start()
+        clock.spend(2.0)
+        probe.stop()
+
+    t = timing.time_op(np, driver, warmup=0, iters=4, probe=probe)
+    assert t["inner"]["median_ms"] == pytest.approx(2.0)
+    assert t["median_ms"] == pytest.approx(7.0)
+    with pytest.raises(RuntimeError, match="without start"):
+        probe.stop()
+    probe.start()
+    with pytest.raises(RuntimeError, match="twice"):
+        probe.start()
+
+
+def test_probe_patch_restores_and_counts(clock):
+    import types
+    owner = types.SimpleNamespace(work=lambda ms: clock.spend(ms))
+    original = owner.work
+    probe = timing.Probe(np)
+    with probe.patch(owner, "work"):
+        assert owner.work is not original
+        t = timing.time_cpu(lambda: owner.work(3.0), warmup=0, iters=2, probe=probe)
+    assert owner.work is original
+    assert t["inner"]["median_ms"] == pytest.approx(3.0)
+    # a driver that does not call the probed function is an error, not a zero
+    with probe.patch(owner, "work"):
+        with pytest.raises(RuntimeError, match="recorded 0 intervals, expected 2"):
+            timing.time_cpu(lambda: clock.spend(1.0), warmup=0, iters=2, probe=probe)
+
+
+def test_numpy_has_no_graphs_and_no_ceilings():
+    assert timing.try_time_graph(np, np.sum, [(np.ones(3),)]) == (
+        None, "no CUDA graphs on the NumPy backend")
+    assert timing.measure_ceilings(np) == {}
+    timing.synchronize(np)
+
+
+def test_importing_timing_touches_no_gpu():
+    """Importing cpsparse.timing (and the bench) needs neither CuPy's device nor torch."""
+    code = ("import sys\n"
+            "import cpsparse.timing, cpsparse.bench\n"
+            "bad = [m for m in ('cupy', 'torch') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
