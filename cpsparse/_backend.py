@@ -11,7 +11,8 @@ import warnings
 
 import numpy
 
-__all__ = ["get_array_module", "backend_module", "cupy_module", "is_cupy_array", "gpu_available",
+__all__ = ["get_array_module", "backend_module", "cupy_module", "is_cupy_array", "xp_of",
+           "gpu_available",
            "is_stream_capturing", "KernelFallbackWarning", "warn_fallback"]
 
 
@@ -67,6 +68,11 @@ def backend_module(spec, name="xp"):
         return cp
     raise ValueError(f"Invalid {name}: expected numpy or cupy (the module or its name), "
                      f"got {spec!r}")
+
+
+def xp_of(a):
+    """``cupy`` for a CuPy array, else ``numpy`` (the array-generic code's module)."""
+    return cupy_module() if is_cupy_array(a) else numpy
 
 
 def _backend_name(a):

@@ -12,7 +12,7 @@ import numbers
 
 import numpy
 
-from cpsparse import _backend
+from cpsparse import _backend, paging
 from cpsparse.reference._xp import to_host
 
 _DEVICE_VALUE_CHECKS = [True]
@@ -222,9 +222,6 @@ def check_context_lens(xp, context_lens, block_table, block_size, max_context_le
     check_block_table(xp, lens, block_table, block_size, num_blocks)
 
 
-INT32_MAX = 2 ** 31 - 1
-
-
 def check_block_table(xp, lens, block_table, block_size, num_blocks=None, *,
                       name="block_table", what=""):
     """Each request's pages fit the table and are valid ids (lens: host int64 [R]).
@@ -235,7 +232,7 @@ def check_block_table(xp, lens, block_table, block_size, num_blocks=None, *,
     """
     if not value_checks_enabled(xp) or lens.size == 0:
         return
-    need = -(-lens // block_size)
+    need = paging.cdiv(lens, block_size)
     have = block_table.shape[1]
     bad = numpy.flatnonzero(need > have)
     if bad.size:
@@ -245,15 +242,15 @@ def check_block_table(xp, lens, block_table, block_size, num_blocks=None, *,
                          f"{block_size}, but {name} has only {have} columns")
     table = to_host(block_table).astype(numpy.int64)
     used = numpy.arange(have)[None, :] < need[:, None]
-    limit = (INT32_MAX + 1) // block_size if num_blocks is None else min(
-        num_blocks, (INT32_MAX + 1) // block_size)
+    limit = (paging.INT32_MAX + 1) // block_size if num_blocks is None else min(
+        num_blocks, (paging.INT32_MAX + 1) // block_size)
     bad = numpy.argwhere(used & ((table < 0) | (table >= limit)))
     if bad.size:
         r, j = (int(v) for v in bad[0])
         page = int(table[r, j])
         if num_blocks is not None and 0 <= page < num_blocks:
             expected = (f"expected its slots to fit int32 (page id < "
-                        f"{(INT32_MAX + 1) // block_size} with block_size={block_size})")
+                        f"{(paging.INT32_MAX + 1) // block_size} with block_size={block_size})")
         elif num_blocks is None:
             expected = (f"expected 0 <= id < {limit} (slots page * {block_size} + offset "
                         f"must fit int32)")

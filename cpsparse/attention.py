@@ -41,7 +41,7 @@ def _kv_source(kv_cache, dqk, d_v):
         if kv_cache.head_dim != dqk:
             raise ValueError(f"Invalid kv_cache: expected kv_lora_rank + rope_dim = {dqk} "
                              f"(the last dimension of q), got {kv_cache.head_dim}")
-        return (kv_cache.records(), kv_cache._decode,
+        return (kv_cache.records(), kv_cache.decode_records,
                 kv_cache.kv_lora_rank if d_v is None else d_v)
     V.check_array("kv_cache", kv_cache, contiguous=True)
     if str(kv_cache.dtype) in V.CODE_DTYPES:

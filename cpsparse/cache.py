@@ -279,7 +279,6 @@ class MLAKVCache:
         self.rope_dim = rope_dim
         self.xp = _backend.get_array_module(data=data)
         self._records = data.reshape(-1, data.shape[-1])     # one view, made once
-        self._decode = self._decode_records
 
     num_blocks = property(lambda self: self.data.shape[0])
     block_size = property(lambda self: self.data.shape[1])
@@ -296,7 +295,7 @@ class MLAKVCache:
         """uint8 [num_slots, token_bytes] view: one record per slot."""
         return self._records
 
-    def _decode_records(self, records):
+    def decode_records(self, records):
         """float32 [N, L + R] rows of records [N, token_bytes] (the reference decoder)."""
         return _ref.mla_decode(records, self.kv_lora_rank, self.rope_dim)
 
@@ -329,4 +328,4 @@ class MLAKVCache:
 
     def gather_core(self, slots):
         """:meth:`gather` of slots known to be in range (no masking pass, no sync)."""
-        return _ref.mla_decode(self.records()[slots], self.kv_lora_rank, self.rope_dim)
+        return self.decode_records(self.records()[slots])

@@ -89,8 +89,8 @@ class DenseMetadata:
     cu_seqlens_q: numpy.ndarray        # host int64 [n + 1]
     cu_seqlens_k: numpy.ndarray        # host int64 [n + 1]
     slots: Any                         # int32 [cu_seqlens_k[-1]] on the batch's device
-    key_start: Any = None              # int32 [T]: first key row of each query (packed)
-    key_count: Any = None              # int32 [T]: keys each query sees (causal)
+    key_start: Any                     # int32 [T]: first key row of each query (packed)
+    key_count: Any                     # int32 [T]: keys each query sees (causal)
 
 
 @dataclasses.dataclass
@@ -142,7 +142,6 @@ class BatchMetadata:
     query_start_loc: numpy.ndarray     # host int64 [R + 1]
     block_table: Any                   # int32 [R, max_blocks]
     block_table_host: numpy.ndarray    # host copy of block_table (value checks, no sync)
-    num_blocks: Optional[int]          # pages of the caches the ids were checked against
     slot_mapping: Any                  # int32 [T]
     positions: Any                     # int32 [T], position of each token in its request
     req_ids: Any                       # int32 [T], request of each token
@@ -216,7 +215,7 @@ def _lengths(name, values):
     """Host int64 [R] of per-request lengths given as integers (no float, str or bool)."""
     if isinstance(values, (str, bytes)):
         raise TypeError(f"Invalid {name}: expected a sequence of ints, got {values!r}")
-    a = numpy.asarray(values.get() if hasattr(values, "get") else values)
+    a = to_host(values)
     if a.size == 0:
         return numpy.zeros(0, numpy.int64)
     if a.dtype.kind not in "iu":
@@ -375,7 +374,7 @@ def build_batch(query_lens, context_lens, block_table, *, next_n=1, block_size=6
         xp=xp, block_size=block_size, next_n=next_n, index_topk=index_topk,
         num_reqs=int(q.size), num_tokens=total, query_lens=q, context_lens=ctx, seq_lens=seq,
         query_start_loc=cu, block_table=block_table,
-        block_table_host=numpy.ascontiguousarray(table_h), num_blocks=num_blocks,
+        block_table_host=numpy.ascontiguousarray(table_h),
         checked_num_blocks=set() if num_blocks is None else {num_blocks},
         slot_mapping=dev(slots.astype(i32)),
         positions=dev(positions.astype(i32)), req_ids=dev(req_ids.astype(i32)),

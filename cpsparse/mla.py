@@ -547,7 +547,7 @@ class DeepseekV32MLA:
         slots = local_to_global_slots_core(xp, rows, batch.req_ids[row0:row1],
                                            batch.block_table, c.block_size)
         cache = self.mla_cache
-        out, _ = sparse_mla_attention_core(xp, q, cache.records(), cache._decode, slots,
+        out, _ = sparse_mla_attention_core(xp, q, cache.records(), cache.decode_records, slots,
                                            c.sm_scale, c.kv_lora_rank)
         return out
 
@@ -557,9 +557,9 @@ class DeepseekV32MLA:
         dense = dense_metadata(batch, first_request)   # slots and offsets: built on the host
         kv = self.mla_cache.gather_core(dense.slots)
         self.attention_stats.dense_tokens += q.shape[0]
-        key_ranges = None if dense.key_start is None else (dense.key_start, dense.key_count)
         out, _ = dense_mla_attention_core(xp, q, kv, c.sm_scale, c.kv_lora_rank,
-                                          dense.cu_seqlens_q, dense.cu_seqlens_k, key_ranges)
+                                          dense.cu_seqlens_q, dense.cu_seqlens_k,
+                                          (dense.key_start, dense.key_count))
         return out
 
 

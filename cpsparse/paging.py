@@ -24,7 +24,7 @@ array([4, 5])
 
 import numpy
 
-from cpsparse.reference._xp import xp_of
+from cpsparse._backend import xp_of
 
 __all__ = ["INT32_MAX", "cdiv", "expand", "causal_ends", "causal_key_ranges",
            "decode_row_ends", "page_slots", "local_to_global_slots"]

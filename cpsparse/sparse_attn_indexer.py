@@ -36,7 +36,8 @@ class IndexerStats:
 
 
 def _check_indexer_call(xp, q_codes, weights, k, k_cache, metadata, buffer, skip_insert):
-    """Every argument of :func:`sparse_attn_indexer`, named as the caller passed it."""
+    """Every argument of :func:`sparse_attn_indexer`, named as the caller passed it;
+    returns the uint8 view of ``q_codes``."""
     from cpsparse.metadata import check_batch
     check_batch(metadata, block_size=k_cache.block_size, num_blocks=k_cache.num_blocks,
                 xp=xp, owner="k_cache")
@@ -68,6 +69,7 @@ def _check_indexer_call(xp, q_codes, weights, k, k_cache, metadata, buffer, skip
         if k.shape[0] < tokens:
             raise ValueError(f"Invalid shape of k: expected at least {tokens} rows (the "
                              f"batch's tokens), got {k.shape[0]}")
+    return q_codes
 
 
 def _check_layer_name(name, forward_context):
@@ -160,14 +162,14 @@ def sparse_attn_indexer(q_codes, weights, k, k_cache, metadata, topk_indices_buf
     # Every check runs before the first write (key insert, buffer clear): a call that
     # raises leaves the cache and the buffer as they were. Value checks read the
     # metadata's host copies, so they cost no device sync.
-    _check_indexer_call(xp, q_codes, weights, k, k_cache, metadata, topk_indices_buffer,
-                        skip_k_cache_insert)
+    q_codes = _check_indexer_call(xp, q_codes, weights, k, k_cache, metadata,
+                                  topk_indices_buffer, skip_k_cache_insert)
     if dense_mha_metadata_layer_name and forward_context is None:
         from cpsparse.metadata import get_forward_context
         forward_context = get_forward_context()
     _check_layer_name(dense_mha_metadata_layer_name, forward_context)
     return sparse_attn_indexer_core(
-        xp, V.check_codes("q_codes", q_codes), weights, k, k_cache, metadata,
+        xp, q_codes, weights, k, k_cache, metadata,
         topk_indices_buffer, skip_k_cache_insert=skip_k_cache_insert, use_pcp=use_pcp,
         dense_mha_metadata_layer_name=dense_mha_metadata_layer_name,
         skip_topk_buffer_clear=skip_topk_buffer_clear, forward_context=forward_context,
