@@ -10,6 +10,9 @@ unless the step is replayed as a CUDA graph. Measured (:mod:`cpsparse.timing`,
 device value checks off as in a production loop, DeepSeek-V3.2 shapes, one
 request of a 32K context, inputs rotating over 3 sets):
 
+* the floor: one ``cupy.empty`` and one launch of a 1-argument kernel through
+  :class:`cpsparse.raw_kernels.Kernel`, timed the same way (what any op that
+  allocates its output costs on this host; host speed varies between leases);
 * host time of one public call: wall time until the Python call returns
   (launches are asynchronous), on an idle GPU (synchronized before each call),
   ``time.perf_counter_ns``, median with p10/p90 in microseconds; target
@@ -48,6 +51,22 @@ def _row(op, shape, host, eager=None, graph=None):
             "host": host, "eager": eager, "graph": graph}
 
 
+def _floor(cp):
+    """The least a public op that allocates its output and launches one kernel can cost
+    on this host: one ``cupy.empty`` and one :class:`cpsparse.raw_kernels.Kernel`
+    launch of a 1-argument kernel (no validation, no plan)."""
+    from cpsparse import raw_kernels
+    raw = cp.RawKernel('extern "C" __global__ void cps_floor(int* a) '
+                       '{ if (threadIdx.x == 1000) a[0] = 1; }', "cps_floor")
+    fn = raw_kernels.Kernel(raw, "cps_floor", "P").bind(cp)
+
+    def call():
+        a = cp.empty((1, 2048), dtype=cp.int32)
+        fn((1,), (32,), (a,))
+        return a
+    return call
+
+
 def main():
     cp = harness.cupy()
     import cpsparse
@@ -66,7 +85,11 @@ def main():
             ("sparse_mla_attention", f"fp8_ds_mla MLAKVCache H={s['mla_heads']} "
                                      f"topk {s['topk']}", d.attention),
         ]
-        rows = []
+        rows = [dict(_row("floor: one cupy.empty + one 1-argument launch",
+                          "raw_kernels.Kernel, nothing else",
+                          timing.time_host(_floor(cp), None, xp=cp, warmup=20, iters=300)),
+                     target_us=None, ok=True)]
+        print(f"floor (one allocation + one launch): {rows[0]['host_us']:.1f} us", flush=True)
         for name, shape, fn in ops:
             host = timing.time_host(fn, d.inputs, xp=cp, warmup=20, iters=300)
             eager = timing.time_cuda(fn, d.inputs, warmup=3, iters=50)

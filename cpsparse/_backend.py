@@ -75,12 +75,18 @@ def xp_of(a):
     return cupy_module() if is_cupy_array(a) else numpy
 
 
+_BACKEND_OF_TYPE = {}          # type -> "numpy", "cupy" or None (every op call asks)
+
+
 def _backend_name(a):
-    if isinstance(a, numpy.ndarray):
-        return "numpy"
-    if is_cupy_array(a):
-        return "cupy"
-    return None
+    t = type(a)
+    try:
+        return _BACKEND_OF_TYPE[t]
+    except KeyError:
+        pass
+    name = "numpy" if isinstance(a, numpy.ndarray) else ("cupy" if is_cupy_array(a) else None)
+    _BACKEND_OF_TYPE[t] = name
+    return name
 
 
 def get_array_module(*args, **arrays):

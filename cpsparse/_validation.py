@@ -138,6 +138,8 @@ def squeeze_axis(name, a, axis, ndim):
 
 
 def check_positive_int(name, value):
+    if type(value) is int and value > 0:          # the hot path: no abc instance check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"Invalid {name}: expected a positive int, got {value!r}")
     if value <= 0:
@@ -146,6 +148,8 @@ def check_positive_int(name, value):
 
 
 def check_nonnegative_int(name, value):
+    if type(value) is int and value >= 0:
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"Invalid {name}: expected a non-negative int, got {value!r}")
     if value < 0:

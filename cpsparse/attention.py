@@ -6,6 +6,8 @@ q_pe (64)]`` = 576 wide; a key is ``[kv_c | k_pe]`` (576); the value is
 ``out`` [T, H, d_v] and ``lse`` [T, H], both float32, lse in natural log.
 """
 
+import math
+
 import numpy
 
 from cpsparse import _backend
@@ -78,7 +80,7 @@ def _check_d_v(d_v, dqk):
 def _check_scale(sm_scale):
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, numpy.floating)):
         raise TypeError(f"Invalid sm_scale: expected a finite float, got {sm_scale!r}")
-    if not numpy.isfinite(sm_scale):
+    if not math.isfinite(sm_scale):
         raise ValueError(f"Invalid sm_scale: expected a finite float, got {sm_scale!r}")
     return float(sm_scale)
 

@@ -432,3 +432,21 @@ def test_sparse_fp8_cache_topk2048_heads128():
     q = rng.standard_normal((2, 128, DQK)).astype(np.float32)
     got = sparse_mla_attention(q, cache, idx, SCALE)
     assert_attention_close(got, oracle_attention(q, rows_of(decoded, idx), SCALE, LORA))
+
+
+def test_split_kv_schedule():
+    """choose_splits: 1 when the units fill the GPU; else every split non-empty with at
+    least MIN_TILES_PER_SPLIT tiles, and the grid no larger than the SM count."""
+    from cpsparse.raw_kernels import attention as katt
+    assert katt.choose_splits(128, 32, 132) == 1            # B=128: one wave already
+    assert katt.choose_splits(66, 32, 132) == 2
+    assert katt.choose_splits(2, 32, 132) == 16             # B=1, H=128: 32 CTAs
+    assert katt.choose_splits(1, 3, 132) == 1               # too few tiles to share
+    for units in range(1, 140):
+        for tiles in (1, 2, 4, 5, 8, 31, 32, 33, 64, 2048):
+            s = katt.choose_splits(units, tiles, 132)
+            assert 1 <= s <= katt.MAX_SPLITS
+            if s > 1:
+                per = -(-tiles // s)
+                assert per >= katt.MIN_TILES_PER_SPLIT and (s - 1) * per < tiles
+                assert units * s <= 132

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# One call on the device machine: the GPU tests, the cost of index bounding, and the
-# kernel benchmarks. Logs and JSON go under $OUT (default ./gpu_out). Usage:
-#   bash tools/gpu_check.sh [all|tests|bounds|bench]... [-- benchmark module names...]
+# One call on the device machine: the GPU tests, the cost of index bounding, the host-time
+# profile, the kernel benchmarks and the side-by-side peer benchmark. Logs and JSON go
+# under $OUT (default ./gpu_out). Usage:
+#   bash tools/gpu_check.sh [all|tests|bounds|profile|bench|peers]... [-- arguments...]
 # "bounds" times the public ops with this tree and with the tree in .baseline/ (copy
 # the code before a change there: git archive <rev> cpsparse | tar -x -C .baseline).
+# "bench" takes benchmark module names after "--"; "peers" passes them to bench_peers
+# (e.g. -- --only mla_decode). The peers (DeepGEMM, FlashMLA) build in the background
+# from .peers/ (copied from shared/peers/, carried) while the tests run; the build
+# stays in /tmp/peers for later calls of the same lease.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -15,6 +20,11 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do steps+=("$1"); shift; done
 [ ${#steps[@]} -eq 0 ] && steps=(all)
 want() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
 status=0
+PEERS_DIR=/tmp/peers
+if want peers && [ -f .peers/build.sh ] && [ ! -s "$PEERS_DIR/built" ] && ! pgrep -f "build.sh .peers" > /dev/null; then
+    echo "== peers: building in the background (log $OUT/peers_build.log)"
+    setsid bash .peers/build.sh .peers/peers.tar.xz "$PEERS_DIR" > "$OUT/peers_build.log" 2>&1 < /dev/null &
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/gpu.txt" 2>&1
 if want bounds && [ -d .baseline/cpsparse ]; then
     echo "== bounds: before (.baseline) and after (this tree)"
@@ -31,15 +41,28 @@ if want tests; then
         2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
+if want profile; then
+    python3 -m benchmarks.profile_host > "$OUT/profile_host.log" 2>&1 || status=1
+    head -40 "$OUT/profile_host.log"
+fi
 if want bench; then
     mods=("$@")
     if [ ${#mods[@]} -eq 0 ]; then
-        mods=($(cd benchmarks && ls bench_*.py 2>/dev/null | sed 's/\.py$//' | grep -v '^bench_bounds$'))
+        mods=($(cd benchmarks && ls bench_*.py 2>/dev/null | sed 's/\.py$//' | grep -v -e '^bench_bounds$' -e '^bench_peers$'))
     fi
     for m in "${mods[@]}"; do
         echo "== benchmarks.$m"
         python3 -m "benchmarks.$m" 2>&1 | tee "$OUT/$m.log" | tail -30
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     done
+fi
+if want peers; then
+    echo "== benchmarks.bench_peers"
+    for _ in $(seq 1 60); do [ -s "$PEERS_DIR/built" ] && break; sleep 5; done
+    cp "$PEERS_DIR"/*.log "$OUT/" 2>/dev/null
+    PYTHONPATH=$PEERS_DIR/DeepGEMM:$PEERS_DIR/FlashMLA:$PYTHONPATH \
+        LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libstdc++.so.6 \
+        python3 -m benchmarks.bench_peers "$@" 2>&1 | tee "$OUT/bench_peers.log" | tail -60
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 exit $status

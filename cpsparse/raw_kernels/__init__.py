@@ -33,7 +33,9 @@ CuPy's cache directory (``CUPY_CACHE_DIR``) is honoured: compiled cubins are
 reused across processes.
 """
 
+import ctypes
 import pathlib
+import struct
 import threading
 from typing import NamedTuple
 
@@ -430,14 +432,140 @@ def grid_stride_blocks(n, threads):
     return min(blocks_for(n, threads), device_facts().sms * 16)
 
 
-def kernel(module, name, smem=0, carveout=None):
-    """The ``RawKernel`` ``name`` of ``module`` on the current device (memoized), with
-    its dynamic shared-memory limit raised to at least ``smem`` bytes."""
+class Kernel:
+    """A compiled kernel and its launch: ``fn(grid, block, args, shared_mem=0)``.
+
+    CuPy's ``RawKernel.__call__`` spends 5 us on a launch with one argument and
+    about 10 us with sixteen (measured on the H200: ``benchmarks/profile_host.py``),
+    most of it converting each argument; a decode step launches four kernels at
+    batch 1, where that is more than the GPU work. A :class:`Kernel` knows its C
+    parameter list (``signature``), so a launch is one ``struct.pack_into`` of the
+    arguments into a buffer it owns and one ``cuLaunchKernel`` on CuPy's current
+    stream (graph capture included).
+
+    ``signature`` has one letter a parameter: ``P`` a pointer (a CuPy array, or
+    None for NULL), ``i`` int32, ``q`` int64, ``f`` float32 (spaces ignored). The
+    first lookup checks it against the compiled function's parameter sizes
+    (``cuFuncGetParamInfo``, where the driver has it).
+    """
+
+    _SLOT = {"P": "Q", "q": "q", "i": "i4x", "f": "f4x"}     # 8 bytes a parameter
+
+    def __init__(self, raw, name, signature):
+        self.raw, self.name = raw, name
+        self.signature = signature.replace(" ", "")
+        bad = set(self.signature) - set(self._SLOT)
+        if bad:
+            raise ValueError(f"Invalid signature of {name}: expected letters of "
+                             f"{sorted(self._SLOT)}, got {signature!r}")
+        n = len(self.signature)
+        self._lock = threading.Lock()           # one buffer per kernel: one launch at a time
+        self._buffer = ctypes.create_string_buffer(max(8 * n, 8))
+        base = ctypes.addressof(self._buffer)
+        self._pointers = (ctypes.c_void_p * max(n, 1))(*[base + 8 * j for j in range(n)])
+        self._params = ctypes.addressof(self._pointers) if n else 0
+        self._pack = self._packer(name, self.signature)
+        self._fptr = None
+
+    @classmethod
+    def _packer(cls, name, signature):
+        """``pack(buffer, args)``: the arguments' values into their slots, written out
+        per signature (one generated function: no per-argument loop or dispatch)."""
+        names = [f"a{j}" for j in range(len(signature))]
+        values = [f"(0 if {a} is None else {a}.data.ptr)" if c == "P" else a
+                  for a, c in zip(names, signature)]
+        fmt = "<" + "".join(cls._SLOT[c] for c in signature)
+        unpack = f"    {', '.join(names)}, = args\n" if names else ""
+        code = (f"def pack(buffer, args):\n{unpack}"
+                f"    pack_into({fmt!r}, buffer, 0{''.join(', ' + v for v in values)})\n")
+        scope = {"pack_into": struct.pack_into}
+        exec(compile(code, f"<cpsparse launch of {name}>", "exec"), scope)  # noqa: S102
+        return scope["pack"]
+
+    def bind(self, cp):
+        """Resolve the CUfunction on the current device and check the signature."""
+        fn = self.raw.kernel                  # compiles / loads on first use
+        sizes = _param_sizes(fn.ptr)
+        want = [8 if c in "Pq" else 4 for c in self.signature]
+        if sizes is not None and sizes != want:
+            raise RuntimeError(f"cpsparse kernel {self.name}: the launcher's signature "
+                               f"{self.signature!r} gives parameter sizes {want}, the "
+                               f"compiled kernel has {sizes}")
+        self._fptr = fn.ptr
+        self._stream = cp.cuda.get_current_stream
+        self._launch_kernel = _driver_launch()
+        return self
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        g = tuple(grid) + (1, 1)
+        b = tuple(block) + (1, 1)
+        with self._lock:
+            self._pack(self._buffer, args)
+            self._launch_kernel(self._fptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
+                           self._stream().ptr, self._params, 0)
+
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        return self.raw.max_dynamic_shared_size_bytes
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value):
+        self.raw.max_dynamic_shared_size_bytes = value
+
+    @property
+    def preferred_shared_memory_carveout(self):
+        return self.raw.preferred_shared_memory_carveout
+
+    @preferred_shared_memory_carveout.setter
+    def preferred_shared_memory_carveout(self, value):
+        self.raw.preferred_shared_memory_carveout = value
+
+
+def _driver_launch():
+    """CuPy's binding of ``cuLaunchKernel`` (Cython, no argument conversion)."""
+    from cupy_backends.cuda.api import driver
+    return driver.launchKernel
+
+
+_LIBCUDA = []
+
+
+def _param_sizes(fptr):
+    """Byte sizes of a CUfunction's parameters (``cuFuncGetParamInfo``, CUDA 12.4+), or
+    None where the driver does not say."""
+    if not _LIBCUDA:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            lib.cuFuncGetParamInfo.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
+                                               ctypes.POINTER(ctypes.c_size_t),
+                                               ctypes.POINTER(ctypes.c_size_t)]
+            _LIBCUDA.append(lib)
+        except (OSError, AttributeError):
+            _LIBCUDA.append(None)
+    lib = _LIBCUDA[0]
+    if lib is None:
+        return None
+    sizes, offset, size = [], ctypes.c_size_t(), ctypes.c_size_t()
+    while len(sizes) < 256:
+        rc = lib.cuFuncGetParamInfo(ctypes.c_void_p(fptr), len(sizes), ctypes.byref(offset),
+                                    ctypes.byref(size))
+        if rc != 0:        # CUDA_ERROR_INVALID_VALUE (1): past the last parameter
+            return sizes if rc == 1 else None
+        sizes.append(size.value)
+    return None
+
+
+def kernel(module, name, signature, smem=0, carveout=None):
+    """The :class:`Kernel` ``name`` of ``module`` on the current device (memoized), with
+    its dynamic shared-memory limit raised to at least ``smem`` bytes.
+
+    ``signature`` is its C parameter list (see :class:`Kernel`).
+    """
     cp = _cupy()
     key = (cp.cuda.runtime.getDevice(), module, name)
     entry = _KERNELS.get(key)
     if entry is None:
-        fn = get_function(module, name)
+        fn = Kernel(get_function(module, name), name, signature).bind(cp)
         if carveout is not None:
             fn.preferred_shared_memory_carveout = carveout
         entry = _KERNELS[key] = [fn, 0]
@@ -461,8 +589,8 @@ def index_i32(cp, a):
     out = cp.empty(a.shape, dtype=cp.int32)
     n = a.size
     if n:
-        kernel("quant", "cps_index_to_i32")((grid_stride_blocks(n, 256),), (256,),
-                                             (a, out, i64(n)))
+        fn = kernel("quant", "cps_index_to_i32", quant.INDEX_TO_I32_ARGS)
+        fn((grid_stride_blocks(n, 256),), (256,), (a, out, n))
     return out
 
 

@@ -1,8 +1,11 @@
 // Sparse MLA attention (DeepSeek-V3.2 DSA), FlashMLA-style, for CuPy inputs.
 //
-// One CTA of 256 threads (two warpgroups) per (query token, group of 64 heads).
-// The token's keys (top-k slots, or a causal range for the dense route) are
-// visited in tiles of 64:
+// One CTA of 256 threads (two warpgroups) per (query token, group of 64 heads,
+// split): with splits > 1 (split-KV decoding, chosen by the launcher when the
+// units would leave SMs idle) each CTA takes an equal share of the token's key
+// tiles and writes a normalised partial row and its lse, merged by
+// cps_mla_combine at the end of this file. The token's keys (top-k slots, or a
+// causal range for the dense route) are visited in tiles of 64:
 //   gather 64 key rows into shared memory as bf16 [64 x 576]
 //     - fp8_ds_mla cache: each 656-byte record is read into registers one tile
 //       ahead, dequantized (e4m3 code * fp32 group scale -> bf16; RoPE bf16 as is)
@@ -46,6 +49,7 @@ static_assert(ATT_SMEM_USED + 1024 == ATT_SMEM_BYTES,
               "the launcher's ATT_SMEM_BYTES must be the tile layout + 1024 bytes of "
               "alignment slack");
 static_assert(ATT_THREADS == 256, "two warpgroups");
+static_assert(ATT_MAX_SPLITS >= 1 && ATT_MAX_SPLITS <= 1024, "split-KV partials per row");
 #define ATT_NEG_INF (-__int_as_float(0x7f800000))
 #define ATT_LN2 0.693147180559945309f
 
@@ -304,7 +308,8 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
                                          int num_slots, const int* __restrict__ row_start,
                                          const int* __restrict__ row_len,
                                          float* __restrict__ out, float* __restrict__ lse,
-                                         int H, int d_v, float scale_log2) {
+                                         int H, int d_v, float scale_log2, int splits,
+                                         float* __restrict__ part_out) {
     extern __shared__ __align__(1024) u8 att_smem_raw[];
     const u32 raw = cps_smem_u32(att_smem_raw);
     const u32 base = (raw + 1023u) & ~1023u;
@@ -321,8 +326,10 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
     const int grow = tid >> 2, gsub = tid & 3;
 
     const int groups = (H + 63) >> 6;
-    const int tok = blockIdx.x / groups;
-    const int h0 = (blockIdx.x - tok * groups) * 64;
+    const int unit = blockIdx.x / splits;          // (token, head group)
+    const int split = blockIdx.x - unit * splits;  // which share of the token's keys
+    const int tok = unit / groups;
+    const int h0 = (unit - tok * groups) * 64;
     const int nh = min(64, H - h0);
 
     const int* irow = nullptr;
@@ -334,7 +341,13 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
         rbase = row_start[tok];
         nk = row_len[tok];
     }
-    const int ntiles = (nk + 63) >> 6;
+    // Split-KV: this CTA takes tiles [t_first, t_end) of the token's keys; keys past
+    // its share are masked at the load (nk_end), so nothing of another split is read.
+    const int tiles_all = (nk + 63) >> 6;
+    const int per_split = (tiles_all + splits - 1) / splits;
+    const int t_first = min(tiles_all, split * per_split);
+    const int t_end = min(tiles_all, t_first + per_split);
+    const int nk_end = min(nk, t_end * 64);
 
     // ---- prologue: first key tile in flight, then Q -> bf16 shared --------------
     // fp8 cache: records are read into registers (AttRaw) and dequantized into
@@ -342,12 +355,12 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
     // records loaded while they run PV (one tile ahead, never both live at once).
     AttRaw raw_next;
     bool v_cur = false, v_next = false;
-    if (ntiles > 0) {
+    if (t_first < t_end) {
         if (KV_FP8) {
-            att_load_raw(raw_next, kv, irow, nk, num_slots, 0, grow, gsub);
+            att_load_raw(raw_next, kv, irow, nk_end, num_slots, t_first, grow, gsub);
         } else {
-            v_next = att_gather_rows(base + ATT_OFF_K, s_valid, kv, irow, rbase, nk, num_slots, 0,
-                                     grow, gsub);
+            v_next = att_gather_rows(base + ATT_OFF_K, s_valid, kv, irow, rbase, nk_end,
+                                     num_slots, t_first, grow, gsub);
             cps_cp_async_commit();
         }
     }
@@ -372,10 +385,10 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
         }
         att_st_v4(sq + (c >> 3) * ATT_BLK + r * 128 + (((c & 7) ^ (r & 7)) << 4), v);
     }
-    if (KV_FP8 && ntiles > 0) {
+    if (KV_FP8 && t_first < t_end) {
         att_store_raw(raw_next, kv, base + ATT_OFF_K, s_valid, grow, gsub);
         v_cur = raw_next.slot >= 0;
-        att_load_raw(raw_next, kv, irow, nk, num_slots, 1, grow, gsub);
+        att_load_raw(raw_next, kv, irow, nk_end, num_slots, t_first + 1, grow, gsub);
     }
 
     // ---- main loop over key tiles ------------------------------------------------
@@ -385,8 +398,8 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
     float m0 = ATT_NEG_INF, m1 = ATT_NEG_INF, l0 = 0.f, l1 = 0.f;
     const int r0 = wi * 16 + g, r1 = r0 + 8;
 
-    for (int it = 0; it < ntiles; ++it) {
-        const int buf = it & 1;
+    for (int it = t_first; it < t_end; ++it) {
+        const int buf = (it - t_first) & 1;
         const u32 sk = base + ATT_OFF_K + buf * ATT_TILE;
         const u32 sk_next = base + ATT_OFF_K + (buf ^ 1) * ATT_TILE;
         int any;
@@ -395,15 +408,15 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
             cps_cp_async_wait_all();              // RoPE part of this tile
             cps_fence_proxy_async();
             any = __syncthreads_or(v_cur);
-            pf_slot = __ldg(irow + min((it + 3) * 64 + grow, nk - 1));
+            pf_slot = __ldg(irow + min((it + 3) * 64 + grow, nk_end - 1));
             pf_slot = att_slot_ok(pf_slot, num_slots) ? pf_slot : 0;   // prefetch in bounds
         } else {
             cps_cp_async_wait_all();
             cps_fence_proxy_async();
             any = __syncthreads_or(v_next);
-            if (it + 1 < ntiles) {
+            if (it + 1 < t_end) {
                 v_next = att_gather_rows(sk_next, s_valid + (buf ^ 1) * 256, kv, irow, rbase,
-                                         nk, num_slots, it + 1, grow, gsub);
+                                         nk_end, num_slots, it + 1, grow, gsub);
                 cps_cp_async_commit();
             }
         }
@@ -423,7 +436,7 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
             } else {
                 att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
                 v_cur = raw_next.slot >= 0;
-                att_load_raw(raw_next, kv, irow, nk, num_slots, it + 2, grow, gsub);
+                att_load_raw(raw_next, kv, irow, nk_end, num_slots, it + 2, grow, gsub);
                 continue;
             }
         } else {
@@ -502,7 +515,7 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
                                   1);
         }
         cps_wgmma_commit();
-        if (KV_FP8) att_load_raw(raw_next, kv, irow, nk, num_slots, it + 2, grow, gsub);
+        if (KV_FP8) att_load_raw(raw_next, kv, irow, nk_end, num_slots, it + 2, grow, gsub);
         cps_wgmma_wait<0>();
         cps_fence_regs(o);
     }
@@ -523,8 +536,14 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
     // into out and lse (never the "no valid key" marker).
     const float inv0 = L0 == 0.f ? 0.f : 1.f / L0;
     const float inv1 = L1 == 0.f ? 0.f : 1.f / L1;
-    float* out0 = out + ((size_t)tok * H + h0 + r0) * d_v;
-    float* out1 = out + ((size_t)tok * H + h0 + r1) * d_v;
+    // One split: the final rows. Several: this split's normalised partial rows
+    // [T, H, splits, d_v] and, right after them in the same scratch buffer (one
+    // allocation), the partial lse [T, H, splits]; cps_mla_combine merges them.
+    const size_t part_rows = (size_t)(gridDim.x / splits / groups) * H * splits;
+    float* const dst = splits == 1 ? out : part_out;
+    float* const dst_lse = splits == 1 ? lse : part_out + part_rows * d_v;
+    float* out0 = dst + (((size_t)tok * H + h0 + r0) * splits + split) * d_v;
+    float* out1 = dst + (((size_t)tok * H + h0 + r1) * splits + split) * d_v;
 #pragma unroll
     for (int n = 0; n < 32; ++n) {
         const int c = wg * 256 + 8 * n + 2 * t4;
@@ -538,9 +557,9 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
         }
     }
     if (wg == 0 && t4 == 0) {
-        float* lrow = lse + (size_t)tok * H + h0;
-        if (r0 < nh) lrow[r0] = L0 == 0.f ? ATT_NEG_INF : m0 * ATT_LN2 + logf(L0);
-        if (r1 < nh) lrow[r1] = L1 == 0.f ? ATT_NEG_INF : m1 * ATT_LN2 + logf(L1);
+        float* lrow = dst_lse + ((size_t)tok * H + h0) * splits + split;
+        if (r0 < nh) lrow[r0 * splits] = L0 == 0.f ? ATT_NEG_INF : m0 * ATT_LN2 + logf(L0);
+        if (r1 < nh) lrow[r1 * splits] = L1 == 0.f ? ATT_NEG_INF : m1 * ATT_LN2 + logf(L1);
     }
 }
 
@@ -550,13 +569,55 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
          const int* __restrict__ indices, int topk, int num_slots,                          \
          const int* __restrict__ row_start, const int* __restrict__ row_len,                \
          float* __restrict__ out, float* __restrict__ lse, int H, int d_v,                  \
-         float scale_log2) {                                                                \
+         float scale_log2, int splits, float* __restrict__ part_out) {                      \
         att_body<FP8>(q, q_half, kv, indices, topk, num_slots, row_start, row_len, out,     \
-                      lse, H, d_v, scale_log2);                                             \
+                      lse, H, d_v, scale_log2, splits, part_out);                           \
     }
 
 ATT_KERNEL(cps_sparse_mla_fp8, 1)
 ATT_KERNEL(cps_sparse_mla_bf16, 0)
+
+// Merge the splits of split-KV decoding: one CTA per (token, head) row.
+//   lse = log sum_s exp(lse_s),  out = sum_s exp(lse_s - lse) out_s
+// (out_s already normalised by its split's sum). A split with no valid key has
+// lse_s = -inf and weight 0; a row with none at all ends with out = 0, lse = -inf
+// as in one pass; a NaN partial lse (a NaN score) makes the row NaN.
+extern "C" __global__ void __launch_bounds__(128)
+cps_mla_combine(const float* __restrict__ part_out, float* __restrict__ out,
+                float* __restrict__ lse, int splits, int d_v) {
+    __shared__ float weight[ATT_MAX_SPLITS];
+    __shared__ float row_lse;
+    __shared__ int row_nan;
+    const size_t row = blockIdx.x;
+    if (threadIdx.x == 0) {
+        const float* pl = part_out + (size_t)gridDim.x * splits * d_v + row * splits;
+        float mx = ATT_NEG_INF;
+        bool nan = false;
+        for (int s = 0; s < splits; ++s) {
+            const float v = pl[s];
+            nan |= v != v;
+            mx = fmaxf(mx, v);
+        }
+        float total = 0.f;
+        for (int s = 0; s < splits; ++s) {
+            weight[s] = mx == ATT_NEG_INF ? 0.f : expf(pl[s] - mx);
+            total += weight[s];
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int s = 0; s < splits; ++s) weight[s] *= inv;
+        row_nan = nan;
+        row_lse = mx == ATT_NEG_INF ? ATT_NEG_INF : mx + logf(total);
+    }
+    __syncthreads();
+    const float* po = part_out + row * splits * d_v;
+    const bool nan = row_nan != 0;
+    for (int c = threadIdx.x; c < d_v; c += blockDim.x) {
+        float acc = 0.f;
+        for (int s = 0; s < splits; ++s) acc += weight[s] * __ldg(po + (size_t)s * d_v + c);
+        out[row * d_v + c] = nan ? __int_as_float(0x7fc00000) : acc;
+    }
+    if (threadIdx.x == 0) lse[row] = nan ? __int_as_float(0x7fc00000) : row_lse;
+}
 
 // Dense workspace -> bf16 bit patterns (round to nearest even).
 extern "C" __global__ void cps_f32_to_bf16(const float* __restrict__ x, u16* __restrict__ y,

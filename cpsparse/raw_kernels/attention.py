@@ -7,6 +7,12 @@ Launchers of ``attention.cu`` beside this file. The public ops in
 Covered: head dim 576 (= 512 latent + 64 RoPE), ``d_v`` even and <= 512, any
 number of heads (groups of 64 per CTA, the last one partial), any top-k.
 
+Split-KV decoding: when the (token, head group) units would leave SMs idle (small
+decode batches), each unit's key tiles are shared among several CTAs
+(:func:`choose_splits`, a function of the shapes and the SM count: graph-safe),
+whose partial rows and lse are merged by ``cps_mla_combine``; B=1, H=128 runs 32
+CTAs instead of 2 (126 us -> 25 us on the H200, ``benchmarks/bench_splits.py``).
+
 Precision: queries and keys enter the tensor cores as bf16 (round to nearest
 even), products accumulate in fp32, probabilities are rounded to bf16 for P V.
 CuPy has no bfloat16 dtype: q may be float16/float32 (float64 is cast to
@@ -21,7 +27,7 @@ import math
 import numpy
 
 from cpsparse import paging, raw_kernels
-from cpsparse.raw_kernels import f32, i32, i64, index_i32
+from cpsparse.raw_kernels import index_i32
 
 D_QK = 576
 D_V_MAX = 512
@@ -32,19 +38,33 @@ THREADS = 256                   # ATT_THREADS
 # (Q, two K tiles, P, row max / sum, key validity: 230912 bytes, checked there by a
 # static_assert) plus 1024 bytes to align them to the 1024-byte swizzle atoms.
 SMEM_BYTES = 230912 + 1024
+# Split-KV decoding: when few (token, head group) units would leave SMs idle, each
+# unit's key tiles are shared among up to MAX_SPLITS CTAs of at least
+# MIN_TILES_PER_SPLIT tiles (64 keys) each: a CTA's fixed cost (Q load, pipeline fill,
+# epilogue) is a few tiles' worth, so shorter shares stop paying.
+MAX_SPLITS = 64                 # ATT_MAX_SPLITS
+MIN_TILES_PER_SPLIT = 2
 
 raw_kernels.register_module(
     "attention", ["common.cuh", "hopper.cuh", "attention.cu"], capabilities=raw_kernels.exactly((9, 0)),
     ops=("sparse_mla_attention", "dense_mla_attention", "local_to_global_slots"),
     needs="Hopper wgmma, compiled for sm_90a",
-    defines=dict(ATT_THREADS=THREADS, ATT_SMEM_BYTES=SMEM_BYTES))
+    defines=dict(ATT_THREADS=THREADS, ATT_SMEM_BYTES=SMEM_BYTES, ATT_MAX_SPLITS=MAX_SPLITS))
 
-_NULL = numpy.uint64(0)
+# C parameter lists (raw_kernels.Kernel letters).
+# cps_sparse_mla_*: q, q_half, kv, indices, topk, num_slots, row_start, row_len, out, lse,
+# H, d_v, scale_log2, splits, part_out (the partial rows, then the partial lse)
+ATTENTION_ARGS = "P i P P ii PPPP ii f i P"
+COMBINE_ARGS = "PPP ii"         # cps_mla_combine: part_out, out, lse, splits, d_v
+TO_BF16_ARGS = "PP q"                            # x, y, n
+# cps_local_to_global_slots: indices, req_ids, block_table, num_reqs, max_blocks, topk,
+# n, block_size, out
+SLOTS_ARGS = "PPP iii q i P"
 
 
 def _attention_kernel(fp8):
     name = f"cps_sparse_mla_{'fp8' if fp8 else 'bf16'}"
-    return raw_kernels.kernel("attention", name, SMEM_BYTES)
+    return raw_kernels.kernel("attention", name, ATTENTION_ARGS, SMEM_BYTES)
 
 
 def supports(q_shape, d_v):
@@ -73,12 +93,25 @@ def to_bf16(cp, x):
     n = x.size
     if n:
         name = "cps_f16_to_bf16" if x.dtype == cp.float16 else "cps_f32_to_bf16"
-        fn = raw_kernels.kernel("attention", name)
-        fn((raw_kernels.grid_stride_blocks(n, THREADS),), (THREADS,), (x, y, i64(n)))
+        fn = raw_kernels.kernel("attention", name, TO_BF16_ARGS)
+        fn((raw_kernels.grid_stride_blocks(n, THREADS),), (THREADS,), (x, y, n))
     return y
 
 
-def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_scale, d_v):
+def choose_splits(units, tiles, sms):
+    """CTAs per (token, head group) unit: 1 when the units fill the GPU, else enough to
+    fill it, each with at least MIN_TILES_PER_SPLIT of the ``tiles`` key tiles (and no
+    empty split). A function of the shapes and the SM count only, so a captured graph
+    replays the same schedule."""
+    if units <= 0 or tiles < 2 * MIN_TILES_PER_SPLIT or 2 * units > sms:
+        return 1
+    splits = min(MAX_SPLITS, sms // units, tiles // MIN_TILES_PER_SPLIT)
+    per_split = -(-tiles // splits)
+    return -(-tiles // per_split)
+
+
+def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_scale, d_v,
+            splits=None):
     tokens, heads, _ = q.shape
     out = cp.empty((tokens, heads, d_v), dtype=cp.float32)
     lse = cp.empty((tokens, heads), dtype=cp.float32)
@@ -94,14 +127,24 @@ def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_sc
         kv = cp.zeros((1,) + kv.shape[1:], dtype=kv.dtype)   # the pointer valid
     kv = _aligned(cp, kv)
     topk = 0 if indices is None else indices.shape[1]
-    scale_log2 = numpy.float32(sm_scale * math.log2(math.e))
+    scale_log2 = float(numpy.float32(sm_scale * math.log2(math.e)))
     groups = -(-heads // HEADS_PER_CTA)
+    units = tokens * groups
+    if splits is None:                     # the dense route's ranges differ per token: 1
+        splits = 1 if indices is None else choose_splits(
+            units, -(-topk // 64), raw_kernels.device_facts().sms)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"Invalid splits: expected 1 <= splits <= {MAX_SPLITS}, got {splits}")
+    part = None
+    if splits > 1:        # partial rows [T, H, splits, d_v], then partial lse [T, H, splits]
+        part = cp.empty(tokens * heads * splits * (d_v + 1), dtype=cp.float32)
     fn = _attention_kernel(fp8)
-    fn((tokens * groups,), (THREADS,),
-       (qq, i32(q_half), kv, _NULL if indices is None else indices, i32(topk), i32(num_slots),
-        _NULL if row_start is None else row_start, _NULL if row_len is None else row_len,
-        out, lse, i32(heads), i32(d_v), f32(scale_log2)),
-       shared_mem=SMEM_BYTES)
+    fn((units * splits,), (THREADS,),
+       (qq, q_half, kv, indices, topk, num_slots, row_start, row_len, out, lse, heads, d_v,
+        scale_log2, splits, part), shared_mem=SMEM_BYTES)
+    if splits > 1:
+        combine = raw_kernels.kernel("attention", "cps_mla_combine", COMBINE_ARGS)
+        combine((tokens * heads,), (128,), (part, out, lse, splits, d_v))
     return out, lse
 
 
@@ -111,15 +154,17 @@ def supports_rows(rows, fp8):
     return not fp8 or (rows.ndim == 2 and rows.shape[1] == RECORD_BYTES)
 
 
-def sparse_mla_attention(cp, q, rows, indices, sm_scale, d_v, fp8):
+def sparse_mla_attention(cp, q, rows, indices, sm_scale, d_v, fp8, splits=None):
     """out [T, H, d_v], lse [T, H] over ``rows[indices[t]]``.
 
     ``rows`` is the fp8_ds_mla record view uint8 [num_slots, 656] (``fp8``) or a
     dense float workspace [S, 576]. The caller checked :func:`supports` and
-    :func:`supports_rows`.
+    :func:`supports_rows`. ``splits`` forces the split-KV factor (tests, benchmarks);
+    None chooses it from the shapes (:func:`choose_splits`).
     """
     kv = rows if fp8 else to_bf16(cp, rows)
-    return _launch(cp, q, kv, fp8, indices=index_i32(cp, indices), sm_scale=sm_scale, d_v=d_v)
+    return _launch(cp, q, kv, fp8, indices=index_i32(cp, indices), sm_scale=sm_scale,
+                   d_v=d_v, splits=splits)
 
 
 def dense_mla_attention(cp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges=None):
@@ -143,9 +188,8 @@ def local_to_global_slots(cp, indices, req_ids, block_table, block_size):
     out = cp.empty(indices.shape, dtype=cp.int32)
     n = indices.size
     if n:
-        fn = raw_kernels.kernel("attention", "cps_local_to_global_slots")
+        fn = raw_kernels.kernel("attention", "cps_local_to_global_slots", SLOTS_ARGS)
         fn((raw_kernels.grid_stride_blocks(n, THREADS),), (THREADS,),
            (index_i32(cp, indices), index_i32(cp, req_ids), index_i32(cp, block_table),
-            i32(block_table.shape[0]), i32(block_table.shape[1]), i32(indices.shape[1]),
-            i64(n), i32(block_size), out))
+            block_table.shape[0], block_table.shape[1], indices.shape[1], n, block_size, out))
     return out

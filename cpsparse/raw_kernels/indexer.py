@@ -18,7 +18,7 @@ import os
 import numpy
 
 from cpsparse import raw_kernels
-from cpsparse.raw_kernels import i32, index_i32
+from cpsparse.raw_kernels import index_i32
 
 # Constants of indexer.cu, owned here and emitted into the source as #defines.
 D = 128                  # head_dim the kernels are written for        (CPS_IDX_D)
@@ -37,6 +37,13 @@ raw_kernels.register_module(
     ops=("mqa_logits", "paged_mqa_logits"), needs="Hopper wgmma, compiled for sm_90a",
     defines=dict(CPS_IDX_D=D, CPS_IDX_TILE=TILE, CPS_IDX_THREADS=THREADS,
                  CPS_IDX_STAGES=STAGES, CPS_IDX_MAX_ROWS=MAX_ROWS, CPS_IDX_BT_CAP=BT_CAP))
+
+# C parameter lists (raw_kernels.Kernel letters).
+# cps_mqa_logits_*: q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks
+MQA_ARGS = "PPPPPPP iiiii"
+# cps_paged_mqa_logits_*: q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out, width,
+# next_n, H, hp, nch, bs_shift, piece_tiles
+PAGED_ARGS = "PPPP i P ii P iiiiiii"
 
 PATHS = ("wgmma", "mma")
 # "wgmma" or "mma"; CPSPARSE_INDEXER_PATH overrides (wgmma needs compute capability 9.0).
@@ -58,9 +65,9 @@ def _pick_path(path):
     return path
 
 
-def _kernel(name, smem):
-    """The RawKernel ``name``, all of the unified L1 as shared memory, limit >= smem."""
-    return raw_kernels.kernel("indexer", name, smem, carveout=100)
+def _kernel(name, signature, smem):
+    """The kernel ``name``, all of the unified L1 as shared memory, limit >= smem."""
+    return raw_kernels.kernel("indexer", name, signature, smem, carveout=100)
 
 
 def _aligned(*arrays):
@@ -94,10 +101,10 @@ def mqa_logits(cp, q_codes, k_codes, k_scales, weights, ks, ke, out=None, path=N
     rows = 128 // hp
     nblocks = -(-m // rows)
     smem = smem_bytes(128)
-    fn = _kernel(f"cps_mqa_logits_{_pick_path(path)}", smem)
+    fn = _kernel(f"cps_mqa_logits_{_pick_path(path)}", MQA_ARGS, smem)
     fn((nblocks,), (THREADS,),
-       (q_codes, k_codes, k_scales, weights, ks, ke, out, i32(m), i32(n), i32(heads), i32(hp),
-        i32(nblocks)), shared_mem=smem)
+       (q_codes, k_codes, k_scales, weights, ks, ke, out, m, n, heads, hp, nblocks),
+       shared_mem=smem)
     return out
 
 
@@ -187,14 +194,14 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
         tiles_w = -(-width // TILE)
         pieces = -(-tiles_w // pt)
     smem = smem_bytes(nch * nc, stages)
-    fn = _kernel(f"cps_paged_mqa_logits_{path}_{variant}_s{stages}", smem)
+    fn = _kernel(f"cps_paged_mqa_logits_{path}_{variant}_s{stages}", PAGED_ARGS, smem)
     context_lens = index_i32(cp, context_lens)
     block_table = index_i32(cp, block_table)
-    lens_2d = i32(context_lens.ndim == 2)
-    bs_shift = i32(int(cache.block_size).bit_length() - 1)
-    bt_cols = i32(block_table.shape[1])
-    num_blocks = i32(cache.num_blocks)        # page ids outside [0, num_blocks) are masked
-    consts = (i32(width), i32(next_n), i32(heads), i32(hp), i32(nch), bs_shift, i32(pt))
+    lens_2d = int(context_lens.ndim == 2)
+    bs_shift = int(cache.block_size).bit_length() - 1
+    bt_cols = block_table.shape[1]
+    num_blocks = cache.num_blocks             # page ids outside [0, num_blocks) are masked
+    consts = (width, next_n, heads, hp, nch, bs_shift, pt)
     if batch <= 65535:
         fn((pieces, batch), (THREADS,), (q_codes, cache.data, weights, context_lens, lens_2d,
                                          block_table, bt_cols, num_blocks, out) + consts,

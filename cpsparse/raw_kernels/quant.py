@@ -1,10 +1,8 @@
 """FP8 quantization and indexer key cache kernels (insert, gather), launchers of
 ``quant.cu`` beside this file; also the int64 -> int32 index conversion."""
 
-import numpy
-
 from cpsparse import raw_kernels
-from cpsparse.raw_kernels import WARPS_PER_BLOCK, blocks_for, f32, i32, i64, index_i32
+from cpsparse.raw_kernels import WARPS_PER_BLOCK, blocks_for, index_i32
 
 MAX_VEC = 8                     # float4 vectors a lane holds (CPS_MAX_VEC)
 MAX_GROUP = 32 * 4 * MAX_VEC    # largest quantization group (one warp)
@@ -13,6 +11,15 @@ raw_kernels.register_module(
     "quant", ["common.cuh", "quant.cu"], capabilities=raw_kernels.at_least(8, 0),
     ops=("quantize_fp8", "IndexerKCache.insert", "IndexerKCache.gather"),
     needs="portable CUDA", defines=dict(CPS_MAX_VEC=MAX_VEC))
+
+
+# C parameter lists of quant.cu's kernels (raw_kernels.Kernel: P pointer, i int32,
+# q int64, f float32).
+QUANTIZE_ARGS = "PPP q i f i"       # x, codes, scales, n_groups, group, eps, ue8m0
+INSERT_ARGS = "PPP q q i i f i"     # k, slots, cache, num_slots, n, D, block, eps, ue8m0
+GATHER_ARGS = "P i P i PPPP q i i"  # cache, nb, table, cols, cu, req, codes, scales, n, D, bs
+SCATTER_ARGS = "PPP q q i"          # records, slots, data, num_slots, n, record_bytes
+INDEX_TO_I32_ARGS = "PP q"          # src, dst, n
 
 
 def supports_group(size):
@@ -26,10 +33,9 @@ def quantize_fp8(cp, x, block_size, scale_fmt, eps):
     scales = cp.empty(x.shape[:-1] + (x.shape[-1] // block_size,), dtype=cp.float32)
     n_groups = scales.size
     if n_groups:
-        fn = raw_kernels.kernel("quant", "cps_quantize_fp8")
+        fn = raw_kernels.kernel("quant", "cps_quantize_fp8", QUANTIZE_ARGS)
         fn((blocks_for(n_groups, WARPS_PER_BLOCK),), (32 * WARPS_PER_BLOCK,),
-           (x, codes, scales, i64(n_groups), i32(block_size), f32(numpy.float32(eps)),
-            i32(scale_fmt == "ue8m0")))
+           (x, codes, scales, n_groups, block_size, eps, int(scale_fmt == "ue8m0")))
     return codes, scales
 
 
@@ -38,11 +44,10 @@ def indexer_insert(cp, cache, k, slot_mapping, eps):
     if n == 0:
         return
     k = cp.ascontiguousarray(k, dtype=cp.float32)
-    fn = raw_kernels.kernel("quant", "cps_indexer_k_quant_and_cache")
+    fn = raw_kernels.kernel("quant", "cps_indexer_k_quant_and_cache", INSERT_ARGS)
     fn((blocks_for(n, WARPS_PER_BLOCK),), (32 * WARPS_PER_BLOCK,),
-       (k, index_i32(cp, slot_mapping), cache.data, i64(cache.num_slots), i64(n),
-        i32(cache.head_dim), i32(cache.block_size),
-        f32(numpy.float32(eps)), i32(cache.scale_fmt == "ue8m0")))
+       (k, index_i32(cp, slot_mapping), cache.data, cache.num_slots, n, cache.head_dim,
+        cache.block_size, eps, int(cache.scale_fmt == "ue8m0")))
 
 
 def indexer_gather(cp, cache, block_table, cu_seq_lens, num_keys, key_req_ids):
@@ -53,11 +58,11 @@ def indexer_gather(cp, cache, block_table, cu_seq_lens, num_keys, key_req_ids):
     scales = cp.empty((n,), dtype=cp.float32)
     if n == 0:
         return codes, scales
-    fn = raw_kernels.kernel("quant", "cps_indexer_k_gather")
+    fn = raw_kernels.kernel("quant", "cps_indexer_k_gather", GATHER_ARGS)
     fn((blocks_for(n, WARPS_PER_BLOCK),), (32 * WARPS_PER_BLOCK,),
-       (cache.data, i32(cache.num_blocks), index_i32(cp, block_table),
-        i32(block_table.shape[1]), index_i32(cp, cu_seq_lens), index_i32(cp, key_req_ids),
-        codes, scales, i64(n), i32(cache.head_dim), i32(cache.block_size)))
+       (cache.data, cache.num_blocks, index_i32(cp, block_table), block_table.shape[1],
+        index_i32(cp, cu_seq_lens), index_i32(cp, key_req_ids), codes, scales, n,
+        cache.head_dim, cache.block_size))
     return codes, scales
 
 
@@ -68,7 +73,7 @@ def scatter_records(cp, data, records, slot_mapping):
     if n == 0:
         return
     num_slots = data.shape[0] * data.shape[1]
-    fn = raw_kernels.kernel("quant", "cps_scatter_records")
+    fn = raw_kernels.kernel("quant", "cps_scatter_records", SCATTER_ARGS)
     fn((blocks_for(n, WARPS_PER_BLOCK),), (32 * WARPS_PER_BLOCK,),
-       (cp.ascontiguousarray(records), index_i32(cp, slot_mapping), data, i64(num_slots),
-        i64(n), i32(records.shape[1])))
+       (cp.ascontiguousarray(records), index_i32(cp, slot_mapping), data, num_slots, n,
+        records.shape[1]))

@@ -12,10 +12,9 @@ memory. The choice depends only on the shapes (rows, width) and the device's
 SM count, never on values. ``benchmarks/bench_topk.py`` times every variant.
 """
 
-import numpy
-
 from cpsparse import raw_kernels
-from cpsparse.raw_kernels import i32, i64, index_i32
+from cpsparse.paging import INT32_MAX
+from cpsparse.raw_kernels import index_i32
 
 # Compiled configurations (topk.cu's TK_KERNEL lines): name -> (CTAs a row, threads).
 VARIANTS = {"c1": (1, 512), "c1_t256": (1, 256), "c2": (2, 512), "c4": (4, 512),
@@ -26,6 +25,9 @@ SHORT_WIDTH = 16384        # rows no wider than this never split
 MIN_SLICE = 4096           # a CTA's share of a row is at least this many values
 
 MODE_ROWS, MODE_DECODE, MODE_DECODE_2D = 0, 1, 2
+# cps_topk_* parameters: logits, width, row_starts, row_ends, context_lens, next_n, mode,
+# k, out (raw_kernels.Kernel letters).
+ARGS = "P q PPP i i i P"
 
 raw_kernels.register_module(
     "topk", ["common.cuh", "topk.cu"], options=("-default-device",),
@@ -54,7 +56,7 @@ def _launch(cp, logits, row_starts, row_ends, context_lens, next_n, mode, k, out
     rows, width = logits.shape
     if rows == 0 or k == 0:
         return out
-    if width > numpy.iinfo(numpy.int32).max or k > numpy.iinfo(numpy.int32).max:
+    if width > INT32_MAX or k > INT32_MAX:
         raise ValueError(f"Invalid shape of logits: rows and k must stay below 2**31, got "
                          f"width={width}, k={k}")
     if variant is None:
@@ -68,10 +70,9 @@ def _launch(cp, logits, row_starts, row_ends, context_lens, next_n, mode, k, out
     cluster, threads = VARIANTS[variant]
     row_starts, row_ends = index_i32(cp, row_starts), index_i32(cp, row_ends)
     context_lens = index_i32(cp, context_lens)
-    fn = raw_kernels.kernel("topk", f"cps_topk_{variant}")
+    fn = raw_kernels.kernel("topk", f"cps_topk_{variant}", ARGS)
     fn((rows * cluster,), (threads,),
-       (logits, i64(width), row_starts, row_ends, context_lens, i32(next_n), i32(mode),
-        i32(k), out))
+       (logits, width, row_starts, row_ends, context_lens, next_n, mode, k, out))
     return out
 
 

@@ -1,0 +1,149 @@
+"""benchmarks/bench_peers.py on the CPU: the workload names of DESIGN section 12, the
+--only selection, the results rows and their merge, and the cross-checks (NumPy stands in
+for CuPy: they use only the array functions both share). No torch, no GPU."""
+
+import subprocess
+import sys
+
+import numpy as np
+
+from benchmarks import bench_peers as bp
+
+DESIGN_NAMES = (
+    [f"mla_decode_B{b}_sq1_H128" for b in (1, 8, 128)]
+    + ["mla_decode_B128_sq2_H128", "mla_decode_B64_sq2_H64",
+       "mla_prefill_T4096_H128", "mla_prefill_T4096_H64",
+       "indexer_prefill_T8192_S8192", "indexer_prefill_T2048_S65536",
+       "indexer_prefill_T4096_S4096", "indexer_decode_B64_ctx32768_n1",
+       "indexer_decode_B64_ctx32768_n2", "indexer_decode_B256_ctx4096_n1",
+       "indexer_decode_B4_ctx131072_n1", "indexer_decode_B1_ctx32768_n1"]
+    + [base + suffix for suffix in ("", "_shift100", "_scale1e-8", "_low10bits")
+       for base in ("topk_prefill_8192x8192_causal", "topk_decode_64x32768",
+                    "topk_decode_64x131072", "topk_decode_4x131072", "topk_decode_1x131072")]
+    + [n + e for n in ("decode_step_B1_ctx32768", "decode_step_B8_ctx32768",
+                       "decode_step_B64_ctx32768", "decode_step_B128_ctx32768_n2")
+       for e in ("", "_eager")])
+
+PEERS = {"mla": "flashmla", "indexer": "deepgemm", "topk": "torch.topk",
+         "decode": "vllm-stack"}
+
+
+def _t(ms):
+    return {"median_ms": ms, "p10_ms": ms * 0.9, "p90_ms": ms * 1.1, "iters": 30}
+
+
+def test_row_names_are_design_section_12():
+    assert sorted(bp.row_names()) == sorted(DESIGN_NAMES)
+    assert len(set(bp.row_names())) == len(DESIGN_NAMES) == 43
+    for w in bp.workloads():
+        assert w["peer"] == PEERS[w["name"].split("_")[0]], w
+        assert w["kind"] in bp.RUNNERS and w["kind"] in bp.KERNEL_MODULES
+
+
+def test_only_selects_by_prefix():
+    names = lambda prefixes: [w["name"] for w in bp.select(prefixes)]  # noqa: E731
+    assert len(names(None)) == 39
+    assert names(["mla_decode"]) == DESIGN_NAMES[:5]
+    got = names(["topk_decode_64x32768", "indexer_decode_B1"])
+    assert got == ["indexer_decode_B1_ctx32768_n1", "topk_decode_64x32768",
+                   "topk_decode_64x32768_shift100", "topk_decode_64x32768_scale1e-8",
+                   "topk_decode_64x32768_low10bits"]
+    assert names(["decode_step_B8_ctx32768_eager"]) == ["decode_step_B8_ctx32768"]
+    assert names(["nothing"]) == []
+
+
+def test_make_row_schema():
+    row = bp.make_row("mla_decode_B1_sq1_H128", "flashmla", {"B": 1}, _t(0.2), _t(0.15),
+                      _t(0.05), _t(0.03), err=1e-3, check={"ok": True},
+                      notes=[None, "x"], flops=2e9)
+    for key in ("workload", "peer", "cpsparse_ms", "cpsparse_kernel_ms", "peer_ms",
+                "speedup", "kernel_speedup", "max_rel_err_vs_peer", "cpsparse_p10_ms",
+                "cpsparse_p90_ms", "peer_kernel_p90_ms", "shapes"):
+        assert key in row, key
+    assert abs(row["speedup"] - 0.25) < 1e-12 and abs(row["kernel_speedup"] - 0.2) < 1e-12
+    assert row["notes"] == ["x"]
+    assert abs(row["cpsparse_kernel_tflops"] - 2e9 / 0.15e-3 / 1e12) < 1e-9
+    bare = bp.make_row("topk_decode_1x131072", "torch.topk", {}, _t(0.05), None,
+                       peer_unavailable="no torch")
+    assert bare["peer_ms"] is None and bare["speedup"] is None
+    assert bare["kernel_speedup"] is None and bare["peer_unavailable"] == "no torch"
+
+
+def test_merge_keeps_other_workloads_of_the_same_device():
+    old = {"device": "H200", "rows": [bp.make_row(n, "x", {}) for n in
+                                      ("decode_step_B1_ctx32768", "mla_decode_B1_sq1_H128")]}
+    new = {"device": "H200", "date": "d", "command": "c",
+           "rows": [bp.make_row("topk_decode_64x32768", "torch.topk", {}),
+                    bp.make_row("mla_decode_B1_sq1_H128", "flashmla", {}, _t(1.0))]}
+    out = bp.merge_payload(old, new)
+    assert [r["workload"] for r in out["rows"]] == [
+        "mla_decode_B1_sq1_H128", "topk_decode_64x32768", "decode_step_B1_ctx32768"]
+    assert out["rows"][0]["cpsparse_ms"] == 1.0 and out["runs"][-1]["command"] == "c"
+    other = bp.merge_payload(dict(old, device="B200"), new)
+    assert len(other["rows"]) == 2
+
+
+def test_topk_check_allows_ties_and_catches_errors():
+    rng = np.random.default_rng(0)
+    logits = np.floor(rng.random((3, 64)) * 8).astype(np.float32)        # many ties
+    lens = np.array([64, 64, 64], np.int32)
+    k = 8
+    peer = -np.sort(-logits, axis=1)[:, :k]
+    ours = np.argsort(-logits, axis=1, kind="stable")[:, ::1][:, :k].astype(np.int32)
+    err, check = bp._topk_check(np, logits, lens, ours, peer)
+    assert err == 0.0 and check["ok"], check
+    bad = ours.copy()
+    bad[1, 0] = np.argmin(logits[1])
+    err, check = bp._topk_check(np, logits, lens, bad, peer)
+    assert check["rows_value_mismatch"] == 1 and not check["ok"]
+    dup = ours.copy()
+    dup[2, 1] = dup[2, 0]
+    assert bp._topk_check(np, logits, lens, dup, peer)[1]["rows_duplicate"] == 1
+    # a short causal row: 0..len-1 then -1; the peer's top-k holds -inf past the window
+    short = np.where(np.arange(64)[None, :] < 3, logits[:1], -np.inf).astype(np.float32)
+    mine = np.array([[0, 1, 2] + [-1] * (k - 3)], np.int32)
+    err, check = bp._topk_check(np, short, np.array([3], np.int32), mine,
+                                -np.sort(-short, axis=1)[:, :k])
+    assert check["ok"], check
+    poisoned = mine.copy()
+    poisoned[0, 5] = 1 << 30
+    assert not bp._topk_check(np, short, np.array([3], np.int32), poisoned,
+                              -np.sort(-short, axis=1)[:, :k])[1]["ok"]
+
+
+def test_logits_check_prefill_and_decode():
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) + 1
+    ours = np.where(np.tril(np.ones((3, 4), bool)), x, -np.inf).astype(np.float32)
+    err, check = bp._logits_check(np, ours, ours.copy())
+    assert err == 0.0 and check["ok"]
+    other = ours.copy()
+    other[0, 0] += 1
+    err, check = bp._logits_check(np, ours, other)
+    assert err > 0 and check["unequal_entries"] == 1 and not check["ok"]
+    garbage = np.where(np.isinf(ours), 7.0, ours).astype(np.float32)   # clean_logits=False
+    visible = np.tril(np.ones((3, 4), bool))
+    assert bp._logits_check(np, ours, garbage, visible)[1]["ok"]
+    leak = ours.copy()
+    leak[0, 3] = 1.0                                   # cpsparse wrote past the window
+    assert bp._logits_check(np, leak, garbage, visible)[1]["mask_mismatches"] == 1
+
+
+def test_mla_check():
+    out = np.ones((2, 3, 4), np.float32)
+    lse = np.full((2, 3), 2.0, np.float32)
+    err, check = bp._mla_check(np, out, lse, out * (1 + 1e-3), lse)
+    assert abs(err - 1e-3 / (1 + 1e-3)) < 1e-6 and check["ok"]
+    nan = out.copy()
+    nan[0, 0, 0] = np.nan
+    assert bp._mla_check(np, nan, lse, out, lse)[1]["nonfinite_ours"] == 1
+
+
+def test_list_runs_without_torch_or_cupy():
+    code = ("import sys\nfrom benchmarks import bench_peers\n"
+            "assert bench_peers.main(['--list', '--only', 'decode_step']) == 0\n"
+            "assert 'torch' not in sys.modules and 'cupy' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=bp.harness.ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["decode_step_B1_ctx32768", "decode_step_B8_ctx32768",
+                                   "decode_step_B64_ctx32768", "decode_step_B128_ctx32768_n2"]

@@ -1,0 +1,97 @@
+"""The launchers' parameter lists (raw_kernels.Kernel signatures) match the .cu sources.
+
+A launch packs its arguments by the Python signature, so a parameter added in a
+``.cu`` file but not in its launcher would shift every later argument. The GPU
+checks the sizes again at the first lookup (cuFuncGetParamInfo); this test
+catches it on the CPU, from the declarations themselves.
+"""
+
+import ctypes
+import re
+import struct
+
+import pytest
+
+from cpsparse import raw_kernels
+from cpsparse.raw_kernels import attention, indexer, quant, topk
+
+# (source, kernel name or the macro that declares a family of kernels, signature)
+DECLARED = [
+    ("attention.cu", "ATT_KERNEL", attention.ATTENTION_ARGS),
+    ("attention.cu", "cps_f32_to_bf16", attention.TO_BF16_ARGS),
+    ("attention.cu", "cps_f16_to_bf16", attention.TO_BF16_ARGS),
+    ("attention.cu", "cps_local_to_global_slots", attention.SLOTS_ARGS),
+    ("attention.cu", "cps_mla_combine", attention.COMBINE_ARGS),
+    ("indexer.cu", "cps_mqa_logits_wgmma", indexer.MQA_ARGS),
+    ("indexer.cu", "cps_mqa_logits_mma", indexer.MQA_ARGS),
+    ("indexer.cu", "CPS_PAGED_KERNEL", indexer.PAGED_ARGS),
+    ("quant.cu", "cps_quantize_fp8", quant.QUANTIZE_ARGS),
+    ("quant.cu", "cps_indexer_k_quant_and_cache", quant.INSERT_ARGS),
+    ("quant.cu", "cps_indexer_k_gather", quant.GATHER_ARGS),
+    ("quant.cu", "cps_index_to_i32", quant.INDEX_TO_I32_ARGS),
+    ("quant.cu", "cps_scatter_records", quant.SCATTER_ARGS),
+    ("topk.cu", "TK_KERNEL", topk.ARGS),
+]
+
+
+def _letter(param):
+    p = " ".join(param.split())
+    if "*" in p:
+        return "P"
+    if "long long" in p or "int64_t" in p:
+        return "q"
+    if p.startswith("float") or p.startswith("const float"):
+        return "f"
+    if re.match(r"(const )?(int|unsigned|int32_t)\b", p):
+        return "i"
+    raise AssertionError(f"unknown parameter type: {param!r}")
+
+
+def _declarations(source):
+    """{kernel or macro name: letters} of every __global__ function in ``source``."""
+    text = (raw_kernels.SOURCE_DIR / source).read_text().replace("\\\n", "\n")
+    found = {}
+    for m in re.finditer(r"__global__\s+void\s+(.*?)\(([^()]*(?:\([^()]*\)[^()]*)*)\)\s*\{",
+                         text, re.S):
+        head, params = m.group(1), m.group(2)
+        # the name is the last identifier before the parameter list (attributes first)
+        name = re.findall(r"[\w#]+", head)[-1]
+        if name == "NAME" or "##" in name:
+            defined = re.findall(r"#define\s+(\w+)\(", text[:m.start()])
+            name = defined[-1]
+        letters = "".join(_letter(p) for p in params.split(",") if p.strip())
+        found[name] = letters
+    return found
+
+
+@pytest.mark.parametrize("source,name,signature", DECLARED, ids=[d[1] for d in DECLARED])
+def test_signature_matches_source(source, name, signature):
+    found = _declarations(source)
+    assert name in found, f"{name} not declared in {source}: {sorted(found)}"
+    assert found[name] == signature.replace(" ", ""), (source, name)
+
+
+def test_every_kernel_has_a_signature():
+    declared = {(s, n) for s, n, _ in DECLARED}
+    for source in ("attention.cu", "indexer.cu", "quant.cu", "topk.cu"):
+        for name in _declarations(source):
+            assert (source, name) in declared, f"{source}: {name} has no launcher signature"
+
+
+def test_packer_writes_each_parameter_in_its_slot():
+    class Array:                       # stands in for a CuPy array: only .data.ptr is read
+        class data:
+            ptr = 0x7F00DEADBEE0
+
+    pack = raw_kernels.Kernel._packer("t", "PqifP")
+    buffer = ctypes.create_string_buffer(40)
+    pack(buffer, (Array(), -5, -7, 0.1, None))
+    assert struct.unpack("<Qqi4xf4xQ", buffer.raw) == (
+        0x7F00DEADBEE0, -5, -7, struct.unpack("<f", struct.pack("<f", 0.1))[0], 0)
+    with pytest.raises(ValueError):
+        pack(buffer, (Array(), 1, 2, 0.5))              # one argument short
+
+
+def test_bad_signature_letter_is_refused():
+    with pytest.raises(ValueError, match="Invalid signature"):
+        raw_kernels.Kernel(None, "t", "Px")

@@ -1,0 +1,73 @@
+"""Turn benchmarks/results/peers.json (``python3 -m benchmarks.bench_peers``) into
+docs/performance_peers.md: one table row per DESIGN §12 workload.
+
+Usage: python tools/peers_table.py [benchmarks/results/peers.json]
+"""
+
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GROUPS = [("mla_decode", "Sparse MLA decode (fp8_ds_mla cache, topk 2048, 32K contexts)"),
+          ("mla_prefill", "Sparse MLA prefill (topk 2048 of 8192 bf16 rows)"),
+          ("indexer_prefill", "Indexer scoring, prefill (H 64, D 128, causal)"),
+          ("indexer_decode", "Indexer scoring, paged decode (H 64, D 128)"),
+          ("topk", "Top-k, k = 2048 (torch.topk stands in for vLLM's kernels)"),
+          ("decode_step", "Decode step of one layer: scoring + top-k + slots + attention")]
+
+
+def _ms(r, key):
+    v = r.get(key)
+    if v is None:
+        return "-"
+    lo, hi = r.get(key.replace("_ms", "_p10_ms")), r.get(key.replace("_ms", "_p90_ms"))
+    spread = f" ({lo * 1e3:.4g}-{hi * 1e3:.4g})" if lo is not None and hi is not None else ""
+    return f"{v * 1e3:.4g}{spread}"
+
+
+def _x(v):
+    return "-" if v is None else f"{v:.2f}"
+
+
+def markdown(results):
+    c = results.get("ceilings", {})
+    lines = [f"# Side by side with the peers, {results.get('device', '?')}, "
+             f"{results.get('date', '?')}", "",
+             "`python3 -m benchmarks.bench_peers` (DESIGN §12): cpsparse and the peer in one "
+             "process on the same input bytes, outputs cross-checked. Times in us, median "
+             "(p10-p90). *call*: the public op, eager, host time included; *kernel*: the same "
+             "call replayed from a CUDA graph. speedup = peer / cpsparse (> 1: cpsparse is "
+             "faster). Ceilings of the run: "
+             + ", ".join(f"{k} = {v:.4g}" for k, v in c.items() if isinstance(v, (int, float)))
+             + ".", ""]
+    rows = results["rows"]
+    for prefix, title in GROUPS:
+        group = [r for r in rows if r["workload"].startswith(prefix)]
+        if not group:
+            continue
+        lines += [f"**{title}**", "",
+                  "| workload | peer | cpsparse call | peer call | speedup | cpsparse kernel "
+                  "| peer kernel | kernel speedup | max rel. err vs peer |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in group:
+            err = r.get("max_rel_err_vs_peer")
+            lines.append(
+                f"| {r['workload']} | {r['peer']} | {_ms(r, 'cpsparse_ms')} | "
+                f"{_ms(r, 'peer_ms')} | {_x(r.get('speedup'))} | "
+                f"{_ms(r, 'cpsparse_kernel_ms')} | {_ms(r, 'peer_kernel_ms')} | "
+                f"{_x(r.get('kernel_speedup'))} | {'-' if err is None else f'{err:.3g}'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    src = pathlib.Path(argv[0]) if argv else ROOT / "benchmarks" / "results" / "peers.json"
+    out = ROOT / "docs" / "performance_peers.md"
+    out.write_text(markdown(json.loads(src.read_text())))
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
