@@ -21,7 +21,9 @@
 //       (one warp a candidate); rank < still-needed -> output slot
 //       emitted + rank. Exact, ties to the lower position, no atomics.
 //   Fallback (many candidates: heavy ties, narrow data): radix rounds on the
-//       full 32-bit key, 11/11/10 bits (bits 31:21, 20:10, 9:0): histogram,
+//       full 32-bit key, 11 bits a round from the highest bit in which the
+//       candidates' keys differ (their range is tracked in the filter pass)
+//       down to bit 0: histogram,
 //       threshold digit, emit the candidates above it, keep those equal; as
 //       soon as the kept ones are few, finish as above. The round where the
 //       candidates equal to the threshold are all needed, or the last round
@@ -85,6 +87,26 @@ __device__ __forceinline__ u32 tk_coarse(float x) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(y));
     const u32 hk = (h & 0x8000u) ? (~(u32)h & 0xFFFFu) : ((u32)h | 0x8000u);
     return hk >> 5;
+}
+
+// fp16 order key (0..0xFFFF) -> the float order key of that fp16 value; a NaN
+// pattern past +inf (-inf) gives the top (bottom) key.
+__device__ __forceinline__ u32 tk_half_order_to_key(u32 hk) {
+    const unsigned short h = (unsigned short)((hk & 0x8000u) ? (hk & 0x7FFFu) : (~hk & 0xFFFFu));
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    if (f != f) return (hk & 0x8000u) ? 0xFFFFFFFFu : 0u;
+    return tk_key(f);
+}
+
+// Bounds [kmin, kmax] on the full keys of the values whose coarse key is c: they
+// round (monotone) to one of the 32 fp16 values of the bin, so they lie strictly
+// between the fp16 values just outside it (a superset, which is all the rounds need).
+__device__ __forceinline__ void tk_coarse_range(u32 c, u32& kmin, u32& kmax) {
+    const u32 lo = c << 5, hi = lo + 31u;
+    kmin = lo == 0u ? 0u : tk_half_order_to_key(lo - 1u);
+    kmax = hi >= 0xFFFFu ? 0xFFFFFFFFu : tk_half_order_to_key(hi + 1u);
+    if (c == 0u) kmin = 0u;                       // NaN (key 0) lives in bin 0
 }
 
 __device__ __forceinline__ u64 tk_pack(u32 key, int i) {
@@ -429,12 +451,21 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     }
     __syncthreads();
 
-    // ---- Fallback: R1..R3 on the full key.
+    // ---- Fallback: radix rounds on the full key, 11 bits a round from the highest
+    // bit in which the keys of R0's threshold bin can differ down to bit 0. Those
+    // keys lie in tk_coarse_range(B0), so the bits above the highest one where its
+    // ends differ are common and need no round: a row whose values crowd one
+    // coarse bin (shifted, scaled, low-contrast) takes two passes instead of three.
+    u32 kmin, kmax;
+    tk_coarse_range(B0, kmin, kmax);
+    const u32 kx = kmin ^ kmax;
     bool src_glob = !fits;
     u32 ncur = s.eq_local;
     int cb = 0;
-    int lvl_shift = 32;                // candidates: coarse == B0 && key >> lvl_shift == P
-    u32 P = 0u;
+    // Candidates: coarse == B0 && key >> lvl_shift == P (the bits decided so far);
+    // lvl_shift 32: none decided.
+    int lvl_shift = kx ? 32 - __clz(kx) : 0;
+    u32 P = lvl_shift >= 32 ? 0u : kmin >> lvl_shift;
     auto for_cands = [&](auto&& f) {
         if (src_glob) {
             for (int t = 0; t < ntiles; ++t) {
@@ -453,15 +484,15 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             }
         }
     };
-    for (int round = 1; round <= 3 && !fin; ++round) {
-        const int shift = round == 1 ? 21 : (round == 2 ? 10 : 0);
-        const int wbits = round == 3 ? 10 : 11;
+    while (!fin) {
+        const int shift = max(0, lvl_shift - 11);
+        const int wbits = lvl_shift - shift;            // 0..11 (0: all keys equal)
         const u32 mask = (1u << wbits) - 1u;
         hb ^= 1;
         for (int b = tid; b < TK_BINS; b += THREADS) s.hist[hb][b] = 0u;
         __syncthreads();
         for_cands([&](int, u32 key) { atomicAdd(&s.hist[hb][(key >> shift) & mask], 1u); });
-        select(hb, s.need, round == 3 ? TK_LAST : TK_ROUND);
+        select(hb, s.need, shift == 0 ? TK_LAST : TK_ROUND);
         const u32 T = s.T;
         fin = s.fin != 0u;
         to_rank = !fin && s.eq_tot <= TK_RANK_MAX;
@@ -489,7 +520,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
         }
         __syncthreads();
         if (!fin) {
-            P = lvl_shift >= 32 ? T : ((P << wbits) | T);
+            P = (P << wbits) | T;                       // P is 0 while lvl_shift is 32
             lvl_shift = shift;
             src_glob = !nfits;
             ncur = eq_local;
