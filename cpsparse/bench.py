@@ -1,7 +1,10 @@
 """``python -m cpsparse.bench``: the seed scenarios and the decode step, end to end.
 
 Scenarios (each prints a progress line per case, then a table; all results go
-to one JSON file, and PNG plots when matplotlib is installed). Every figure is
+to one JSON file in the ``--out`` folder, by default a new ``cpsparse-bench-*``
+folder in the temp directory, printed first; PNG plots beside it with the
+``plots`` extra (matplotlib), else a line says they were skipped). The JSON
+records the host and the library versions. Every figure is
 a median with its p10-p90 beside it (:mod:`cpsparse.timing`: warm-up, fresh
 rotating inputs, CUDA events on CuPy, ``perf_counter`` on NumPy).
 
@@ -28,12 +31,18 @@ machine.
 
 import argparse
 import datetime
+import importlib
 import json
+import os
 import pathlib
+import platform as _host
+import sys
+import tempfile
 
 import numpy
 
 import cpsparse
+from cpsparse import _cli
 from cpsparse import mla as _mla
 from cpsparse import timing
 from cpsparse.attention import local_to_global_slots, sparse_mla_attention
@@ -496,13 +505,25 @@ def _fmt(v):
     return str(v)
 
 
-def plot(results, out_dir):
-    """PNG plots of each scenario; returns the files written (none without matplotlib)."""
+PLOTS_SKIPPED = ("plots: skipped (matplotlib does not import; "
+                 "pip install 'cpsparse[plots]' to get them)")
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, or None when matplotlib does not import."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception:  # noqa: BLE001 - optional dependency
+    except Exception:  # noqa: BLE001 - optional dependency (the ``plots`` extra)
+        return None
+    return plt
+
+
+def plot(results, out_dir):
+    """PNG plots of each scenario; returns the files written (none without matplotlib)."""
+    plt = _pyplot()
+    if plt is None:
         return []
     files = []
     rows = results["scenarios"].get("short_prefill")
@@ -558,9 +579,61 @@ def _save(fig, out_dir, name):
     return str(path)
 
 
+def default_out_dir(backend):
+    """A new folder ``cpsparse-bench-<backend>-<date>-<time>-*`` in the temp directory.
+
+    Examples
+    --------
+    >>> import pathlib, tempfile
+    >>> from cpsparse.bench import default_out_dir
+    >>> d = default_out_dir("numpy")
+    >>> d.parent == pathlib.Path(tempfile.gettempdir()), d.name.startswith("cpsparse-bench-numpy-")
+    (True, True)
+    >>> d.rmdir()
+    """
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return pathlib.Path(tempfile.mkdtemp(prefix=f"cpsparse-bench-{backend}-{stamp}-"))
+
+
+def _version(module_name):
+    try:
+        return str(importlib.import_module(module_name).__version__)
+    except Exception:  # noqa: BLE001 - not installed, or no __version__
+        return None
+
+
+def environment(xp):
+    """The host and library versions of a run (recorded in the JSON).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cpsparse.bench import environment
+    >>> env = environment(np)
+    >>> sorted(env), env["libraries"]["numpy"] == np.__version__
+    (['host', 'libraries'], True)
+    """
+    host = dict(python=_host.python_version(), implementation=_host.python_implementation(),
+                system=_host.system(), release=_host.release(), machine=_host.machine(),
+                processor=_host.processor() or None, cpu_count=os.cpu_count())
+    libraries = {name: _version(name) for name in ("numpy", "ml_dtypes")}
+    libraries["cpsparse"] = cpsparse.__version__
+    if xp is not numpy:
+        libraries["cupy"] = xp.__version__
+        libraries["cuda_runtime"] = xp.cuda.runtime.runtimeGetVersion()
+        libraries["cuda_driver"] = xp.cuda.runtime.driverGetVersion()
+    if "matplotlib" in sys.modules:
+        libraries["matplotlib"] = _version("matplotlib")
+    return dict(host=host, libraries=libraries)
+
+
 def run(backend="auto", scenarios=SCENARIOS, out_dir=None, quick=False, seed=0,
         progress=print):
-    """Run the scenarios; returns the results dict (also written as JSON)."""
+    """Run the scenarios; returns the results dict (also written as JSON).
+
+    The JSON (and the plots) go to ``out_dir``, created if needed; by default to
+    a new folder from :func:`default_out_dir`. Nothing else is written.
+    """
     xp = pick_backend(backend)
     backend = "numpy" if xp is numpy else "cupy"
     s = sizes(xp, quick)
@@ -575,10 +648,14 @@ def run(backend="auto", scenarios=SCENARIOS, out_dir=None, quick=False, seed=0,
 
 
 def _run(xp, backend, scenarios, out_dir, quick, rng, s, progress, seed):
+    out = pathlib.Path(out_dir) if out_dir is not None else default_out_dir(backend)
+    out.mkdir(parents=True, exist_ok=True)
+    progress(f"output folder: {out}")
     ceilings = timing.measure_ceilings(xp)
     results = {"backend": backend, "date": datetime.date.today().isoformat(),
-               "cpsparse": cpsparse.__version__, "sizes": s, "ceilings": ceilings,
-               "method": METHOD, "what": {k: WHAT[k] for k in scenarios}, "scenarios": {}}
+               "cpsparse": cpsparse.__version__, **environment(xp), "sizes": s,
+               "ceilings": ceilings, "method": METHOD,
+               "what": {k: WHAT[k] for k in scenarios}, "scenarios": {}}
     if xp is not numpy:
         props = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)
         results["device"] = props["name"].decode() if isinstance(props["name"], bytes) \
@@ -601,12 +678,12 @@ def _run(xp, backend, scenarios, out_dir, quick, rng, s, progress, seed):
         results["scenarios"][name] = runners[name]()
     for name, rows in results["scenarios"].items():
         print_table(name, rows, COLUMNS[name])
-    out = pathlib.Path(out_dir or ".")
-    out.mkdir(parents=True, exist_ok=True)
     path = out / f"bench_{backend}.json"
     path.write_text(json.dumps(results, indent=2, default=_json_default) + "\n")
     results["plots"] = plot(results, out)
     print(f"\nresults: {path}" + "".join(f"\nplot: {p}" for p in results["plots"]))
+    if _pyplot() is None:
+        print(PLOTS_SKIPPED)
     return results
 
 
@@ -622,13 +699,15 @@ def _json_default(v):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(
-        prog="python -m cpsparse.bench", description=__doc__,
+        prog="python -m cpsparse.bench", description=_cli.plain_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    _cli.add_version(parser)
     parser.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
                         help=f"comma-separated subset of {', '.join(SCENARIOS)}")
-    parser.add_argument("--out", default=None, help="directory of the JSON and PNG files "
-                        "(default: the current directory)")
+    parser.add_argument("--out", default=None, help="folder of the JSON and PNG files, "
+                        "created if needed (default: a new cpsparse-bench-* folder in the "
+                        "temp directory, printed)")
     parser.add_argument("--quick", action="store_true", help="fewer GPU cases")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

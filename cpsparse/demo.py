@@ -28,7 +28,7 @@ import time
 import numpy
 
 import cpsparse
-from cpsparse import _backend
+from cpsparse import _backend, _cli
 from cpsparse.metadata import DEFAULT_LOGITS_BUDGET_BYTES, ForwardContext, build_batch
 from cpsparse.mla import DeepseekV32AttentionStack, DeepseekV32MLA, MLAConfig
 from cpsparse.mtp import MTPDrafter
@@ -498,8 +498,9 @@ def build_parser():
         return f"default {formula}; {v32_cpu[name]} for v32 on NumPy"
 
     parser = argparse.ArgumentParser(
-        prog="python -m cpsparse", description=__doc__,
+        prog="python -m cpsparse", description=_cli.plain_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    _cli.add_version(parser)
     parser.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto",
                         help="array backend (auto: CuPy when a GPU is there)")
     parser.add_argument("--config", choices=("small", "v32"), default="small",

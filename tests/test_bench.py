@@ -3,8 +3,11 @@ real layer and drafter, and every benchmarks module imports without a GPU."""
 
 import functools
 import importlib
+import importlib.util
 import json
+import os
 import pathlib
+import platform
 import subprocess
 import sys
 from collections import Counter
@@ -91,6 +94,43 @@ def test_bench_prints_tables_and_writes_json_where_told(tmp_path):
     assert list(saved["scenarios"]) == ["short_prefill"]
     assert "short_prefill" in proc.stdout and "results:" in proc.stdout
     assert "cannot fire" in proc.stdout            # the rows past index_topk say so
+
+
+def test_bench_writes_nothing_into_the_cwd_by_default(tmp_path):
+    """Without --out: a new named folder in the temp directory, printed; cwd untouched."""
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "cpsparse.bench", "--backend", "numpy",
+                           "--scenarios", "short_prefill"],
+                          cwd=cwd, env=env, capture_output=True, text=True, check=True)
+    assert list(cwd.iterdir()) == []
+    (out,) = tmp.iterdir()
+    assert out.name.startswith("cpsparse-bench-numpy-")
+    assert f"output folder: {out}" in proc.stdout
+    assert f"results: {out / 'bench_numpy.json'}" in proc.stdout
+    saved = json.loads((out / "bench_numpy.json").read_text())
+    assert saved["libraries"]["numpy"] == np.__version__
+    assert saved["libraries"]["cpsparse"] == bench.cpsparse.__version__
+    assert saved["host"]["python"] == platform.python_version()
+    assert saved["host"]["cpu_count"] == os.cpu_count()
+    if importlib.util.find_spec("matplotlib") is None:
+        assert bench.PLOTS_SKIPPED in proc.stdout            # a line, not silence
+        assert sorted(p.name for p in out.iterdir()) == ["bench_numpy.json"]
+    else:
+        assert "plot: " in proc.stdout and (out / "short_prefill.png").is_file()
+
+
+def test_bench_version_and_plain_help():
+    proc = subprocess.run([sys.executable, "-m", "cpsparse.bench", "--version"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == f"cpsparse {bench.cpsparse.__version__}"
+    proc = subprocess.run([sys.executable, "-m", "cpsparse.bench", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    assert "``" not in proc.stdout and ":class:" not in proc.stdout
+    assert "temp directory" in proc.stdout
 
 
 def test_short_prefill_gate_is_decided_by_layer_construction(spied_run):

@@ -16,7 +16,7 @@ import pytest
 
 from cpsparse import raw_kernels
 
-nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs the [test] extra "
+nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs the [nvrtc] extra "
                             "(cuda-bindings + nvidia-cuda-nvrtc-cu12)")
 
 # CuPy adds -ftz=true to every compile; compile the same way here.
