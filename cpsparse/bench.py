@@ -94,7 +94,7 @@ def sizes(xp, quick=False):
     if xp is numpy:
         s = dict(config="small", short_lens=[16, 32, 64, 65, 128], mtp_batches=[1, 4],
                  mtp_contexts=[256, 512], mtp_steps=3, decode_batches=[1, 4],
-                 decode_contexts=[256, 1024], iters=5, warmup=1, sets=2)
+                 decode_contexts=[256, 1024], iters=21, warmup=2, sets=2)
     else:
         s = dict(config="v32", short_lens=[256, 1024, 2048, 2049, 4096],
                  mtp_batches=[1, 8, 64], mtp_contexts=[4096, 32768], mtp_steps=3,
@@ -663,7 +663,7 @@ def _run(xp, backend, scenarios, out_dir, quick, rng, s, progress, seed):
     progress(f"cpsparse.bench on {backend}" + (f" ({results.get('device')})"
                                                 if xp is not numpy else " (small sizes)")
              + "".join(f", {k} {v:.4g}" for k, v in ceilings.items()))
-    weights = {}
+    weights: dict = {}
 
     def layer_weights():                 # one set of layer weights, drawn once per run
         if not weights:
