@@ -1,4 +1,4 @@
-"""cpsparse beside its peers (DESIGN section 12), same process, same input bytes.
+"""cpsparse beside its peers: same process, same input bytes (docs/performance.md).
 
 Run on the GPU machine from the repository root, the peers' build started first
 (shared/peers/README.md; the script waits up to ``--wait`` s for ``<peers-dir>/built``)::
@@ -46,7 +46,7 @@ METHOD = ("cpsparse.timing: *_ms public call eager (CUDA events, host included, 
           "(time_graph/time_graph_torch), per call; medians, p10/p90 over rotating sets")
 
 
-# ---- the workloads (names exactly as DESIGN section 12) ------------------------------
+# ---- the workloads (the names of the peer protocol) ------------------------------
 
 def workloads():
     """Every workload: dicts with name, kind, peer and the sizes (no device needed)."""

@@ -4,7 +4,7 @@ Run on a GPU machine from the repository root::
 
     PYTHONPATH=$PWD python3 -m benchmarks.bench_splits
 
-For the ``mla_decode_*`` shapes of DESIGN §12 (fp8_ds_mla cache, topk 2048 of a
+For the ``mla_decode_*`` peer workloads (fp8_ds_mla cache, topk 2048 of a
 32K context per request) it times the launcher with every split count that
 leaves each split at least one 64-key tile (``splits`` forced), as CUDA-graph
 replays (:func:`cpsparse.timing.time_graph`: kernel + combine, no host time), and

@@ -6,10 +6,18 @@ fine: ``cupy`` imports, only device calls fail, and they are never made for
 NumPy inputs.
 """
 
+from __future__ import annotations
+
 import functools
 import warnings
+from typing import TYPE_CHECKING, Any
 
 import numpy
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from cpsparse._typing import ModuleLike
 
 __all__ = ["get_array_module", "backend_module", "cupy_module", "is_cupy_array", "xp_of",
            "gpu_available",
@@ -30,13 +38,13 @@ def cupy_module():
     return cupy
 
 
-def is_cupy_array(a):
+def is_cupy_array(a: object) -> bool:
     cp = cupy_module()
     return cp is not None and isinstance(a, cp.ndarray)
 
 
 @functools.lru_cache(maxsize=None)
-def gpu_available():
+def gpu_available() -> bool:
     """True when CuPy imports and sees at least one CUDA device.
 
     Examples
@@ -54,7 +62,7 @@ def gpu_available():
         return False
 
 
-def backend_module(spec, name="xp"):
+def backend_module(spec: ModuleLike, name: str = "xp") -> ModuleType:
     """``numpy`` or ``cupy`` from a module or its name; ``"auto"`` picks CuPy with a GPU.
 
     Raises ValueError naming ``name`` for anything else (or ``"cupy"`` without CuPy).
@@ -70,12 +78,13 @@ def backend_module(spec, name="xp"):
                      f"got {spec!r}")
 
 
-def xp_of(a):
+def xp_of(a: object) -> ModuleType:
     """``cupy`` for a CuPy array, else ``numpy`` (the array-generic code's module)."""
     return cupy_module() if is_cupy_array(a) else numpy
 
 
-_BACKEND_OF_TYPE = {}          # type -> "numpy", "cupy" or None (every op call asks)
+# type -> "numpy", "cupy" or None (every op call asks)
+_BACKEND_OF_TYPE: dict[type, str | None] = {}
 
 
 def _backend_name(a):
@@ -89,7 +98,7 @@ def _backend_name(a):
     return name
 
 
-def get_array_module(*args, **arrays):
+def get_array_module(*args: object, **arrays: object) -> ModuleType:
     """Return ``numpy`` or ``cupy`` for the given arrays; refuse to mix them.
 
     Called like CuPy's ``cupy.get_array_module(*args)``: positional arguments
@@ -103,6 +112,11 @@ def get_array_module(*args, **arrays):
         Any objects (CuPy's signature).
     **arrays
         Array arguments by name (``None`` values are ignored).
+
+    Returns
+    -------
+    module
+        ``numpy``, or ``cupy`` when any array is a CuPy array.
 
     Raises
     ------
@@ -119,7 +133,7 @@ def get_array_module(*args, **arrays):
     >>> cpsparse.get_array_module(logits=np.zeros(3), out=None) is np
     True
     """
-    found = {}
+    found: dict[str, str] = {}
     for i, a in enumerate(args):
         backend = _backend_name(a)
         if backend is not None:
@@ -169,10 +183,19 @@ def use_kernels(xp):
     return xp is not numpy and _KERNELS_ENABLED[0]
 
 
-def set_kernels_enabled(enabled):
+def set_kernels_enabled(enabled: bool) -> bool:
     """Switch CuPy inputs between the CUDA kernels (True) and the generic reference.
 
-    Returns the previous setting.
+    Parameters
+    ----------
+    enabled : bool
+        True: CuPy inputs run the CUDA kernels; False: they run the
+        array-generic reference on the GPU (slow, exact; handy to bisect).
+
+    Returns
+    -------
+    bool
+        The previous setting.
 
     Examples
     --------
@@ -190,7 +213,7 @@ class KernelFallbackWarning(UserWarning):
     """A CuPy call ran the float64 reference on the GPU: no kernel covers its shape."""
 
 
-_FALLBACKS_WARNED = set()
+_FALLBACKS_WARNED: set[tuple[str, Any]] = set()
 
 
 def warn_fallback(op, shape, why):

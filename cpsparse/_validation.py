@@ -8,14 +8,21 @@ capturing a CUDA graph (a device-to-host read is illegal there); they can be
 switched off for device arrays with :func:`cpsparse.set_device_value_checks`.
 """
 
+from __future__ import annotations
+
 import numbers
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy
 
 from cpsparse import _backend, paging
 from cpsparse.reference._xp import to_host
 
+if TYPE_CHECKING:
+    from cpsparse._typing import FloatLike, IntLike
+
 _DEVICE_VALUE_CHECKS = [True]
+_T = TypeVar("_T")
 
 # Index arguments (slots, page ids, lengths, windows, indices, request ids) come as the
 # caller has them: int32, or int64 like vLLM's slot_mapping and NumPy's/torch's default
@@ -28,12 +35,23 @@ CODE_DTYPES = ("uint8", "float8_e4m3fn")
 FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
 
 
-def set_device_value_checks(enabled):
+def set_device_value_checks(enabled: bool) -> bool:
     """Enable or disable value checks (which synchronise) on CuPy inputs.
 
     Value checks on NumPy inputs always run. On CuPy inputs they cost a
-    device-to-host copy per call; production loops may turn them off.
-    Returns the previous setting.
+    device-to-host copy per call; production loops may turn them off (see
+    "Masking, value checks and production mode" in :doc:`the contract
+    </contract>`).
+
+    Parameters
+    ----------
+    enabled : bool
+        True: check slots, page ids, windows and lengths of CuPy inputs too.
+
+    Returns
+    -------
+    bool
+        The previous setting.
 
     Examples
     --------
@@ -53,7 +71,7 @@ def value_checks_enabled(xp):
     return _DEVICE_VALUE_CHECKS[0] and not _backend.is_stream_capturing(xp)
 
 
-_DTYPE_NAMES = {}
+_DTYPE_NAMES: dict[Any, str] = {}
 
 
 def _name_of(dtype):
@@ -137,7 +155,7 @@ def squeeze_axis(name, a, axis, ndim):
     return a
 
 
-def check_positive_int(name, value):
+def check_positive_int(name: str, value: IntLike) -> int:
     if type(value) is int and value > 0:          # the hot path: no abc instance check
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -147,7 +165,7 @@ def check_positive_int(name, value):
     return int(value)
 
 
-def check_nonnegative_int(name, value):
+def check_nonnegative_int(name: str, value: IntLike) -> int:
     if type(value) is int and value >= 0:
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -157,7 +175,7 @@ def check_nonnegative_int(name, value):
     return int(value)
 
 
-def check_float32_positive(name, value):
+def check_float32_positive(name: str, value: FloatLike) -> float:
     """A real number > 0 that stays positive and finite in float32."""
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, numpy.floating)):
         raise TypeError(f"Invalid {name}: expected a float > 0, got {value!r}")
@@ -169,7 +187,7 @@ def check_float32_positive(name, value):
     return float(value)
 
 
-def check_choice(name, value, choices):
+def check_choice(name: str, value: _T, choices: tuple[object, ...]) -> _T:
     if value not in choices:
         raise ValueError(f"Invalid {name}: expected one of {list(choices)}, got {value!r}")
     return value
@@ -238,7 +256,7 @@ def check_block_table(xp, lens, block_table, block_size, num_blocks=None, *,
         return
     need = paging.cdiv(lens, block_size)
     have = block_table.shape[1]
-    bad = numpy.flatnonzero(need > have)
+    bad: numpy.ndarray = numpy.flatnonzero(need > have)
     if bad.size:
         i = int(bad[0])
         raise ValueError(f"Invalid shape of {name}: request {i} has context length "

@@ -6,7 +6,10 @@ q_pe (64)]`` = 576 wide; a key is ``[kv_c | k_pe]`` (576); the value is
 ``out`` [T, H, d_v] and ``lse`` [T, H], both float32, lse in natural log.
 """
 
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING
 
 import numpy
 
@@ -18,20 +21,50 @@ from cpsparse.raw_kernels import attention as _katt
 from cpsparse.reference import attention as _ref
 from cpsparse.reference import cache as _cache_ref
 
+if TYPE_CHECKING:
+    from cpsparse._typing import Array, FloatLike, IntLike
+
 __all__ = ["sparse_mla_attention", "dense_mla_attention", "local_to_global_slots",
            "softmax_scale"]
 
 DEFAULT_ROPE_DIM = 64
 
 
-def softmax_scale(qk_nope_head_dim=128, qk_rope_head_dim=64, mscale=None):
+def softmax_scale(qk_nope_head_dim: int = 128, qk_rope_head_dim: int = 64,
+                  mscale: float | None = None) -> float:
     """``(qk_nope + qk_rope) ** -0.5``, times ``mscale ** 2`` when YaRN is used.
+
+    Parameters
+    ----------
+    qk_nope_head_dim : int
+        Per-head query/key dims without RoPE (128 in DeepSeek-V3.2). Absorbed
+        into the 512-wide latent, but the scale is that of the original head.
+    qk_rope_head_dim : int
+        Per-head RoPE dims (64).
+    mscale : float, optional
+        YaRN's attention factor, ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1``
+        (1 when ``factor <= 1``), from the model's ``rope_scaling`` config. None:
+        no YaRN correction. DeepSeek-V3.2's config (``factor`` 40,
+        ``mscale_all_dim`` 1.0) gives ``0.1 * ln 40 + 1 = 1.368888``, so
+        ``mscale ** 2 = 1.873854`` and the scale is 0.135234 instead of 0.072169.
+        cpsparse does not read the model config: pass it here, or set
+        :attr:`cpsparse.mla.MLAConfig.softmax_mscale`.
+
+    Returns
+    -------
+    float
+        The ``sm_scale`` of :func:`sparse_mla_attention` and
+        :func:`dense_mla_attention`.
 
     Examples
     --------
+    >>> import math
     >>> from cpsparse.attention import softmax_scale
     >>> round(softmax_scale(128, 64), 6)
     0.072169
+    >>> mscale = 0.1 * 1.0 * math.log(40) + 1          # DeepSeek-V3.2: factor 40
+    >>> round(mscale, 6), round(softmax_scale(128, 64, mscale), 6)
+    (1.368888, 0.135234)
     """
     scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
     return scale * mscale * mscale if mscale is not None else scale
@@ -85,7 +118,9 @@ def _check_scale(sm_scale):
     return float(sm_scale)
 
 
-def sparse_mla_attention(q, kv_cache, indices, sm_scale, *, d_v=None):
+def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
+                         sm_scale: FloatLike, *, d_v: IntLike | None = None
+                         ) -> tuple[Array, Array]:
     """Attention of each query token over the key rows its top-k selected.
 
     Parameters
@@ -154,7 +189,9 @@ def sparse_mla_attention_core(xp, q, rows, decode, indices, sm_scale, d_v):
     return _ref.sparse_mla_attention(q, rows, indices, sm_scale, d_v, decode)
 
 
-def dense_mla_attention(q, kv, sm_scale, *, cu_seqlens_q=None, cu_seqlens_k=None, d_v=None):
+def dense_mla_attention(q: Array, kv: Array, sm_scale: FloatLike, *,
+                        cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
+                        d_v: IntLike | None = None) -> tuple[Array, Array]:
     """Dense causal MLA attention over packed requests (the short-prefill route).
 
     Query i of a request with ``q_len`` queries and ``k_len`` keys sees keys
@@ -227,7 +264,8 @@ def dense_mla_attention_core(xp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges=No
     return _ref.dense_mla_attention(q, kv, sm_scale, d_v, cu_q, cu_k)
 
 
-def local_to_global_slots(indices, req_ids, block_table, block_size=64):
+def local_to_global_slots(indices: Array, req_ids: Array, block_table: Array,
+                          block_size: IntLike = 64) -> Array:
     """Map request-local top-k positions to global cache slots; -1 stays -1.
 
     ``slot = block_table[req, pos // block_size] * block_size + pos % block_size``.

@@ -6,6 +6,10 @@ wrapped with :meth:`IndexerKCache.wrap` / :meth:`MLAKVCache.wrap` and read by
 cpsparse, and the other way round.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 import numpy
 
 from cpsparse import _backend
@@ -14,6 +18,11 @@ from cpsparse import paging
 from cpsparse.raw_kernels import quant as _kquant
 from cpsparse.reference import cache as _ref
 from cpsparse.reference import fp8 as _fp8
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from cpsparse._typing import Array, IntLike, ModuleLike, ScaleFormat
 
 __all__ = ["IndexerKCache", "MLAKVCache"]
 
@@ -70,7 +79,8 @@ class IndexerKCache:
 
     KEY_EPS = 1e-4
 
-    def __init__(self, num_blocks, block_size=64, head_dim=128, xp=numpy, scale_fmt="ue8m0"):
+    def __init__(self, num_blocks: IntLike, block_size: IntLike = 64, head_dim: IntLike = 128,
+                 xp: ModuleLike = numpy, scale_fmt: ScaleFormat = "ue8m0") -> None:
         xp = _backend.backend_module(xp)
         V.check_nonnegative_int("num_blocks", num_blocks)
         V.check_positive_int("block_size", block_size)
@@ -80,7 +90,8 @@ class IndexerKCache:
         self._setup(data, block_size, head_dim, scale_fmt)
 
     @classmethod
-    def wrap(cls, data, block_size=64, head_dim=128, scale_fmt="ue8m0", name="data"):
+    def wrap(cls, data: Array, block_size: IntLike = 64, head_dim: IntLike = 128,
+             scale_fmt: ScaleFormat = "ue8m0", name: str = "data") -> IndexerKCache:
         """Use an existing cache array without copying it.
 
         ``data`` is ``uint8 [num_blocks, block_size * (head_dim + 4)]``, or the
@@ -103,7 +114,8 @@ class IndexerKCache:
         self._setup(data, block_size, head_dim, scale_fmt)
         return self
 
-    def _setup(self, data, block_size, head_dim, scale_fmt):
+    def _setup(self, data: Array, block_size: IntLike, head_dim: IntLike,
+               scale_fmt: ScaleFormat) -> None:
         self.block_size = V.check_positive_int("block_size", block_size)
         self.head_dim = V.check_positive_int("head_dim", head_dim)
         self.scale_fmt = V.check_choice("scale_fmt", scale_fmt, ("ue8m0", None))
@@ -111,31 +123,31 @@ class IndexerKCache:
         self.xp = _backend.get_array_module(data=data)
 
     @property
-    def num_blocks(self):
+    def num_blocks(self) -> int:
         return self.data.shape[0]
 
     @property
-    def num_slots(self):
+    def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
     @property
-    def page_bytes(self):
+    def page_bytes(self) -> int:
         return self.block_size * (self.head_dim + 4)
 
     def __repr__(self):
         return (f"IndexerKCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"head_dim={self.head_dim}, xp={self.xp.__name__})")
 
-    def codes_view(self):
+    def codes_view(self) -> Array:
         """uint8 [num_blocks, block_size, head_dim] view of the codes (no copy)."""
         bs, d = self.block_size, self.head_dim
         return self.data[:, :bs * d].reshape(self.num_blocks, bs, d)
 
-    def scales_view(self):
+    def scales_view(self) -> Array:
         """float32 [num_blocks, block_size] view of the per-token scales (no copy)."""
         return self.data[:, self.block_size * self.head_dim:].view(self.xp.float32)
 
-    def insert(self, k, slot_mapping):
+    def insert(self, k: Array, slot_mapping: Array) -> None:
         """Quantize keys ``k`` [N, head_dim] (one ue8m0 scale each) and store them.
 
         Slot -1 is skipped (padding tokens). Two keys for one slot: the last wins.
@@ -146,7 +158,7 @@ class IndexerKCache:
         _check_slot_mapping(xp, slot_mapping, k.shape[0], self.num_slots)
         self.insert_core(xp, k, slot_mapping)
 
-    def insert_core(self, xp, k, slot_mapping):
+    def insert_core(self, xp: ModuleType, k: Array, slot_mapping: Array) -> None:
         """:meth:`insert` without validation (the layer path validated its batch)."""
         if _backend.use_kernels(xp):
             if _kquant.supports_group(self.head_dim):
@@ -156,7 +168,7 @@ class IndexerKCache:
         _ref.indexer_insert(self.data, self.block_size, self.head_dim, codes,
                             scales.reshape(-1), slot_mapping)
 
-    def insert_quantized(self, codes, scales, slot_mapping):
+    def insert_quantized(self, codes: Array, scales: Array, slot_mapping: Array) -> None:
         """Store already quantized keys: codes uint8 [N, head_dim], scales float32 [N]."""
         xp = _backend.get_array_module(codes=codes, scales=scales, slot_mapping=slot_mapping,
                                        data=self.data)
@@ -168,7 +180,7 @@ class IndexerKCache:
         _ref.indexer_insert(self.data, self.block_size, self.head_dim, codes, scales,
                             slot_mapping)
 
-    def gather(self, block_table, cu_seq_lens):
+    def gather(self, block_table: Array, cu_seq_lens: Array) -> tuple[Array, Array]:
         """Read the keys of a packed batch of requests.
 
         Parameters
@@ -195,7 +207,9 @@ class IndexerKCache:
         V.check_block_table(xp, lens, block_table, self.block_size, self.num_blocks)
         return self.gather_core(xp, block_table, cu_seq_lens, cu)
 
-    def gather_core(self, xp, block_table, cu_seq_lens, cu_host, key_req_ids=None):
+    def gather_core(self, xp: ModuleType, block_table: Array, cu_seq_lens: Array,
+                    cu_host: numpy.ndarray[Any, Any], key_req_ids: Array | None = None
+                    ) -> tuple[Array, Array]:
         """:meth:`gather` without validation. ``cu_host`` is the host int64 copy of
         ``cu_seq_lens``; ``key_req_ids`` (int32 [N], the request of each key, on the
         cache's device) spares the upload the kernel path needs otherwise (the batch
@@ -245,7 +259,8 @@ class MLAKVCache:
     True
     """
 
-    def __init__(self, num_blocks, block_size=64, kv_lora_rank=512, rope_dim=64, xp=numpy):
+    def __init__(self, num_blocks: IntLike, block_size: IntLike = 64, kv_lora_rank: int = 512,
+                 rope_dim: int = 64, xp: ModuleLike = numpy) -> None:
         xp = _backend.backend_module(xp)
         V.check_nonnegative_int("num_blocks", num_blocks)
         _check_kv_lora_rank(kv_lora_rank)
@@ -256,7 +271,8 @@ class MLAKVCache:
         self._setup(data, kv_lora_rank, rope_dim)
 
     @classmethod
-    def wrap(cls, data, kv_lora_rank=512, rope_dim=64, name="data"):
+    def wrap(cls, data: Array, kv_lora_rank: int = 512, rope_dim: int = 64,
+             name: str = "data") -> MLAKVCache:
         """Use an existing ``uint8 [num_blocks, block_size, token_bytes]`` array.
 
         FlashMLA's view ``[num_blocks, block_size, 1, token_bytes]`` is accepted too,
@@ -273,33 +289,47 @@ class MLAKVCache:
         self._setup(data, kv_lora_rank, rope_dim)
         return self
 
-    def _setup(self, data, kv_lora_rank, rope_dim):
+    def _setup(self, data: Array, kv_lora_rank: int, rope_dim: int) -> None:
         self.data = data
         self.kv_lora_rank = kv_lora_rank
         self.rope_dim = rope_dim
         self.xp = _backend.get_array_module(data=data)
         self._records = data.reshape(-1, data.shape[-1])     # one view, made once
 
-    num_blocks = property(lambda self: self.data.shape[0])
-    block_size = property(lambda self: self.data.shape[1])
-    token_bytes = property(lambda self: self.data.shape[2])
-    num_slots = property(lambda self: self.data.shape[0] * self.data.shape[1])
-    head_dim = property(lambda self: self.kv_lora_rank + self.rope_dim)
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def token_bytes(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def num_slots(self) -> int:
+        return self.data.shape[0] * self.data.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
 
     def __repr__(self):
         return (f"MLAKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"kv_lora_rank={self.kv_lora_rank}, rope_dim={self.rope_dim}, "
                 f"xp={self.xp.__name__})")
 
-    def records(self):
+    def records(self) -> Array:
         """uint8 [num_slots, token_bytes] view: one record per slot."""
         return self._records
 
-    def decode_records(self, records):
+    def decode_records(self, records: Array) -> Array:
         """float32 [N, L + R] rows of records [N, token_bytes] (the reference decoder)."""
         return _ref.mla_decode(records, self.kv_lora_rank, self.rope_dim)
 
-    def insert(self, kv_c, k_pe, slot_mapping):
+    def insert(self, kv_c: Array, k_pe: Array, slot_mapping: Array) -> None:
         """Quantize and store latents kv_c [N, L] and RoPE keys k_pe [N, R]; slot -1 skipped."""
         xp = _backend.get_array_module(kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping,
                                        data=self.data)
@@ -310,22 +340,22 @@ class MLAKVCache:
         _check_slot_mapping(xp, slot_mapping, kv_c.shape[0], self.num_slots)
         self.insert_core(kv_c, k_pe, slot_mapping)
 
-    def insert_core(self, kv_c, k_pe, slot_mapping):
+    def insert_core(self, kv_c: Array, k_pe: Array, slot_mapping: Array) -> None:
         """:meth:`insert` without validation (the layer path validated its batch)."""
         records = _ref.mla_encode(kv_c, k_pe)          # elementwise: no host sync
         xp = self.xp
         if _backend.use_kernels(xp) and self.token_bytes % 4 == 0 \
-                and self.data.data.ptr % 4 == 0:
+                and self.data.data.ptr % 4 == 0:  # type: ignore[union-attr]  # CuPy here
             return _kquant.scatter_records(xp, self.data, records, slot_mapping)
         _ref.mla_insert(self.data, records, slot_mapping)
 
-    def gather(self, slots):
+    def gather(self, slots: Array) -> Array:
         """Dequantized rows float32 [N, L + R] of global ``slots`` [N] (no -1)."""
         xp = _backend.get_array_module(slots=slots, data=self.data)
         V.check_index("slots", slots, ndim=1, shape_desc="[N]")
         V.check_slots(xp, slots, self.num_slots, name="slots", allow_negative_one=False)
         return _ref.mla_read(self.data, slots, self.kv_lora_rank, self.rope_dim)
 
-    def gather_core(self, slots):
+    def gather_core(self, slots: Array) -> Array:
         """:meth:`gather` of slots known to be in range (no masking pass, no sync)."""
         return self.decode_records(self.records()[slots])

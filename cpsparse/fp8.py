@@ -1,13 +1,21 @@
 """FP8 (OCP e4m3fn) group quantization.
 
-See ``DESIGN.md`` section 3 and :mod:`cpsparse.reference.fp8` for the exact
-arithmetic (bit for bit what the CUDA kernels reproduce).
+See the contract page of the docs (``docs/contract.md``, "FP8 quantization") and
+:mod:`cpsparse.reference.fp8` for the exact arithmetic (bit for bit what the CUDA
+kernels reproduce).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from cpsparse import _backend
 from cpsparse import _validation as V
 from cpsparse.raw_kernels import quant as _kquant
 from cpsparse.reference import fp8 as _ref
+
+if TYPE_CHECKING:
+    from cpsparse._typing import Array, FloatLike, IntLike, ScaleFormat
 
 __all__ = ["quantize_fp8", "dequantize_fp8", "E4M3_MAX"]
 
@@ -15,7 +23,8 @@ E4M3_MAX = _ref.E4M3_MAX
 SCALE_FORMATS = ("ue8m0", None)
 
 
-def quantize_fp8(x, block_size=128, scale_fmt="ue8m0", eps=1e-4):
+def quantize_fp8(x: Array, block_size: IntLike = 128, scale_fmt: ScaleFormat = "ue8m0",
+                 eps: FloatLike = 1e-4) -> tuple[Array, Array]:
     """Quantize the last axis of ``x`` to e4m3fn codes in groups of ``block_size``.
 
     Parameters
@@ -68,7 +77,7 @@ def quantize_fp8(x, block_size=128, scale_fmt="ue8m0", eps=1e-4):
     return _ref.quantize_groups(x, block_size, scale_fmt, eps)
 
 
-def dequantize_fp8(codes, scales, block_size=128):
+def dequantize_fp8(codes: Array, scales: Array, block_size: IntLike = 128) -> Array:
     """Decode e4m3fn ``codes`` and multiply each group by its scale.
 
     Parameters

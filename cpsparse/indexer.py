@@ -4,14 +4,18 @@ Public ops validate their arguments (one message style, before any launch),
 then dispatch on the array type: NumPy arrays run the reference
 (:mod:`cpsparse.reference.indexer`); CuPy arrays stay on the device.
 
-The formula (``DESIGN.md`` section 5), for query token t and key s in its
-window::
+The formula (``docs/contract.md``, "Indexer logits"), for query token t and key s
+in its window::
 
     I[t, s] = s_k[s] * sum_h W[t, h] * relu(sum_d q8[t, h, d] * k8[s, d])
 
 with ``W`` the head weights with the query scale folded in
 (:func:`fold_weights`). Entries outside the window are ``-inf``.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from cpsparse import _backend
 from cpsparse import _validation as V
@@ -21,11 +25,14 @@ from cpsparse.raw_kernels import indexer as _kindexer
 from cpsparse.raw_kernels import topk as _ktopk
 from cpsparse.reference import indexer as _ref
 
+if TYPE_CHECKING:
+    from cpsparse._typing import Array, IntLike
+
 __all__ = ["mqa_logits", "paged_mqa_logits", "topk_per_row", "topk_per_row_decode",
            "fold_weights", "hadamard_rotate", "decode_row_ends"]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     # The layer orchestration lives in cpsparse.sparse_attn_indexer (vLLM's name);
     # its two names stay reachable from here.
     if name in ("sparse_attn_indexer", "IndexerStats"):
@@ -74,7 +81,7 @@ def topk_per_row_decode_core(xp, logits, context_lens, next_n, k, out):
     return _ref.topk_per_row_decode(logits, context_lens, next_n, k, out=out)
 
 
-def fold_weights(weights, q_scales, head_dim=128):
+def fold_weights(weights: Array, q_scales: Array, head_dim: IntLike = 128) -> Array:
     """Fold the per-(token, head) query scale into the indexer head weights.
 
     ``W[t, h] = weights[t, h] * q_scales[t, h] * head_dim**-0.5 * H**-0.5``.
@@ -109,7 +116,7 @@ def fold_weights(weights, q_scales, head_dim=128):
     return _ref.fold_weights(weights, q_scales, head_dim)
 
 
-def hadamard_rotate(x):
+def hadamard_rotate(x: Array) -> Array:
     """Rotate the last axis by the normalised Hadamard matrix: ``x @ H_n / sqrt(n)``.
 
     DeepSeek-V3.2's indexer applies this to q and k (n = 128) before FP8
@@ -146,7 +153,8 @@ def _check_heads(q_codes, weights, rows):
                   shape_desc=f"[{'M' if q_codes.ndim == 3 else 'B * next_n'}, H]")
 
 
-def mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke):
+def mqa_logits(q_codes: Array, k_codes: Array, k_scales: Array, weights: Array, ks: Array,
+               ke: Array) -> Array:
     """Prefill indexer logits over a contiguous key array (ragged causal windows).
 
     Parameters
@@ -202,7 +210,7 @@ def mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke):
     return mqa_logits_core(xp, q_codes, k_codes, k_scales, weights, ks, ke)
 
 
-def _cache_of(cache, dim):
+def _cache_of(cache: Any, dim: int) -> IndexerKCache:
     if isinstance(cache, IndexerKCache):
         if cache.head_dim != dim:
             raise ValueError(f"Invalid cache: expected head_dim={dim} (the last dimension of "
@@ -233,7 +241,9 @@ def _check_decode_lens(context_lens, batch, next_n):
                       shape_desc="[B] or [B, next_n]")
 
 
-def paged_mqa_logits(q_codes, cache, weights, context_lens, block_table, max_context_len):
+def paged_mqa_logits(q_codes: Array, cache: IndexerKCache | Array, weights: Array,
+                     context_lens: Array, block_table: Array,
+                     max_context_len: IntLike) -> Array:
     """Decode indexer logits straight from the paged key cache.
 
     Parameters
@@ -305,7 +315,8 @@ def _check_out(xp, out, rows, k):
     return out
 
 
-def topk_per_row(logits, row_starts, row_ends, k, out=None):
+def topk_per_row(logits: Array, row_starts: Array, row_ends: Array, k: IntLike,
+                 out: Array | None = None) -> Array:
     """Indices of the k largest logits of each row's window ``[row_start, row_end)``.
 
     Parameters
@@ -323,9 +334,11 @@ def topk_per_row(logits, row_starts, row_ends, k, out=None):
     int32 [M, k]
         Positions relative to ``row_start``. A row no longer than k gets
         ``0 .. len-1`` ascending then -1 (no values read). A longer row gets
-        exactly k positions holding its k largest values, largest first,
-        ties to the lower position. NaN ranks below every number, ``-inf``
-        included, so it is chosen only when nothing else is left.
+        exactly k positions holding its k largest values, ties to the lower
+        position; NumPy inputs get them largest first, the CUDA kernel in no
+        particular order (and any choice among exact ties at the k-th value).
+        NaN ranks below every number, ``-inf`` included, so it is chosen only
+        when nothing else is left. See :doc:`the contract </contract>`, "Top-k".
 
     Examples
     --------
@@ -351,7 +364,7 @@ def topk_per_row(logits, row_starts, row_ends, k, out=None):
     return topk_per_row_core(xp, logits, row_starts, row_ends, k, out)
 
 
-def decode_row_ends(context_lens, next_n):
+def decode_row_ends(context_lens: Array, next_n: IntLike) -> Array:
     """int64 [B * next_n]: where each decode row's window ends (see paged_mqa_logits).
 
     Examples
@@ -364,7 +377,8 @@ def decode_row_ends(context_lens, next_n):
     return paging.decode_row_ends(context_lens, next_n)
 
 
-def topk_per_row_decode(logits, context_lens, next_n, k, out=None):
+def topk_per_row_decode(logits: Array, context_lens: Array, next_n: IntLike, k: IntLike,
+                        out: Array | None = None) -> Array:
     """Top-k of decode rows: row (b, j) covers positions ``[0, end)`` as in
     :func:`paged_mqa_logits`.
 

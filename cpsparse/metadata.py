@@ -9,7 +9,8 @@ threshold, ``prefill.max_seq_len``, ``prefill.use_dense_mha``).
 A :class:`ForwardContext` maps layer names to MLA metadata, like vLLM's
 ``forward_context.attn_metadata``; the indexer reads the MLA metadata of the
 layer named by ``dense_mha_metadata_layer_name`` to decide the short-prefill
-early return (``DESIGN.md`` sections 7 and 8).
+early return (``docs/contract.md``, "The indexer of a layer and the
+construction-time gate").
 """
 
 import contextlib
@@ -39,6 +40,28 @@ class DecodeMetadata:
 
     Decode tokens are laid out on ``[num_decodes, next_n]`` rows; a request
     with fewer than ``next_n`` new tokens leaves padding rows (window end 0).
+    Built by :func:`build_batch`; every parameter is an attribute of the same
+    name. Device arrays live on the batch's backend.
+
+    Parameters
+    ----------
+    next_n : int
+        Rows per decode request: 1 + the number of speculative tokens.
+    context_lens : int32 array [B] or [B, next_n]
+        What :func:`cpsparse.paged_mqa_logits` takes: without padding, the
+        total length of each decode request ([B], new tokens included); with
+        padding, the window end of every row ([B, next_n], 0 on padding rows).
+    block_table : int array [B, max_blocks]
+        The decode requests' rows of the batch's block table.
+    max_context_len : int
+        The longest decode request (context + new tokens): the logits width.
+    requires_padding : bool
+        Some decode request has fewer than ``next_n`` new tokens, so the
+        tokens are scattered to their rows (``token_rows``) and back.
+    token_rows : int64 array [num_decode_tokens]
+        Row of each decode token in the ``[B * next_n]`` layout.
+    token_rows_host : numpy.ndarray
+        Host copy of ``token_rows``.
     """
     next_n: int
     context_lens: Any          # int32 [B] (uniform) or [B, next_n] window ends
@@ -55,7 +78,35 @@ class PrefillChunk:
 
     Keys of the chunk's requests are gathered from the cache in request order
     (``cu_seq_lens``); a long request may be split along its queries, and
-    then only the keys up to its last query in the chunk are gathered.
+    then only the keys up to its last query in the chunk are gathered. Built
+    by :func:`build_batch`; every parameter is an attribute of the same name.
+
+    Parameters
+    ----------
+    token_start, token_end : int
+        The chunk's query tokens are batch rows ``[token_start, token_end)``
+        (and rows of the top-k buffer).
+    num_keys : int
+        Keys gathered for the chunk (the logits width).
+    cu_seq_lens : int32 array [n + 1]
+        Key offsets of the chunk's n requests in the gathered keys (what
+        :meth:`cpsparse.IndexerKCache.gather` takes).
+    block_table : int array [n, max_blocks]
+        The block-table rows of the chunk's requests.
+    ks, ke : int32 array [token_end - token_start]
+        Window of each query in the gathered keys, ``[ks, ke)`` (what
+        :func:`cpsparse.mqa_logits` and :func:`cpsparse.topk_per_row` take).
+    cu_seq_lens_host : numpy.ndarray, optional
+        Host int64 copy of ``cu_seq_lens``.
+    key_req_ids : int32 array [num_keys], optional
+        Request (row of this chunk's ``block_table``) of each gathered key.
+
+    Attributes
+    ----------
+    num_tokens : int
+        ``token_end - token_start``.
+    logits_bytes : int
+        ``4 * num_tokens * num_keys``: the chunk's float32 logits.
     """
     token_start: int
     token_end: int
@@ -64,7 +115,7 @@ class PrefillChunk:
     block_table: Any           # int32 [n, max_blocks]
     ks: Any                    # int32 [tokens] window start in the gathered keys
     ke: Any                    # int32 [tokens] window end (exclusive)
-    cu_seq_lens_host: numpy.ndarray = None   # host int64 copy of cu_seq_lens
+    cu_seq_lens_host: Optional[numpy.ndarray] = None   # host int64 copy of cu_seq_lens
     key_req_ids: Any = None    # int32 [num_keys]: the request (row of block_table) of each key
 
     @property
@@ -78,13 +129,40 @@ class PrefillChunk:
 
 @dataclasses.dataclass
 class PrefillMetadata:
+    """The indexer's prefill requests, cut into chunks.
+
+    Parameters
+    ----------
+    chunks : list of PrefillChunk
+        In batch order; together they cover every prefill token once.
+    """
     chunks: List[PrefillChunk]
 
 
 @dataclasses.dataclass
 class DenseMetadata:
     """The MLA dense route's inputs (prefill requests from ``first_request`` on): every
-    key position of each request mapped to its cache slot, and the packed offsets."""
+    key position of each request mapped to its cache slot, and the packed offsets.
+
+    Every parameter is an attribute of the same name; n is the number of those
+    requests and ``T_d = cu_seqlens_q[-1]`` their query tokens.
+
+    Parameters
+    ----------
+    first_request : int
+        The first request of the batch that the dense route attends (the MLA's
+        ``num_decodes``).
+    cu_seqlens_q : numpy.ndarray
+        Host int64 [n + 1]: packed offsets of the requests' new tokens.
+    cu_seqlens_k : numpy.ndarray
+        Host int64 [n + 1]: packed offsets of their keys (context + new tokens).
+    slots : int32 array [cu_seqlens_k[-1]]
+        Cache slot of every key position 0 .. seq_len - 1 of each request.
+    key_start : int32 array [T_d]
+        First key row (in the packed keys) of each query's request.
+    key_count : int32 array [T_d]
+        Keys each query sees (bottom-right causal).
+    """
     first_request: int
     cu_seqlens_q: numpy.ndarray        # host int64 [n + 1]
     cu_seqlens_k: numpy.ndarray        # host int64 [n + 1]
@@ -95,6 +173,16 @@ class DenseMetadata:
 
 @dataclasses.dataclass
 class MLAPrefillMetadata:
+    """The MLA side's view of the prefill requests.
+
+    Parameters
+    ----------
+    max_seq_len : int
+        The longest full length (context included) of the MLA's prefill requests.
+    use_dense_mha : bool
+        ``max_seq_len <= index_topk``: every key fits the top-k, so the prefill
+        tokens take dense causal MHA and the top-k buffer is not read.
+    """
     max_seq_len: int           # longest full length (context included) of a prefill
     use_dense_mha: bool        # max_seq_len <= index_topk: every key fits the top-k
 
@@ -106,6 +194,30 @@ class MLAMetadata:
     ``num_decode_tokens`` follows the MLA's own decode threshold, which may
     differ from the indexer's ``next_n``; that is why the indexer's
     short-prefill early return reads this object and not its own split.
+
+    Parameters
+    ----------
+    decode_threshold : int
+        A request is an MLA decode when its query length is at most this
+        (``build_batch``'s ``mla_decode_threshold``, default ``next_n``).
+    num_decodes : int
+        The leading requests that are MLA decodes.
+    num_decode_tokens : int
+        Their tokens (the first rows of the batch): they always attend sparsely.
+    num_prefills : int
+        The other requests.
+    num_prefill_tokens : int
+        Their tokens.
+    prefill : MLAPrefillMetadata or None
+        None when the batch has no MLA prefill request.
+
+    Attributes
+    ----------
+    dense_prefill : bool
+        The prefill tokens take dense causal MHA (``prefill.use_dense_mha``).
+    topk_unused : bool
+        ``dense_prefill and num_decode_tokens == 0``: nothing of this batch
+        reads the top-k rows, the condition of the short-prefill early return.
     """
     decode_threshold: int
     num_decodes: int
@@ -129,7 +241,66 @@ class MLAMetadata:
 
 @dataclasses.dataclass
 class BatchMetadata:
-    """Everything one forward pass over a packed batch needs (see :func:`build_batch`)."""
+    """Everything one forward pass over a packed batch needs (see :func:`build_batch`).
+
+    R is the number of requests, T the number of new tokens (decodes first, in
+    batch order). Every parameter is an attribute of the same name; "device"
+    arrays live on the batch's backend ``xp``, "host" arrays are NumPy.
+
+    Parameters
+    ----------
+    xp : module
+        ``numpy`` or ``cupy``.
+    block_size : int
+        Tokens per page; the caches must have the same.
+    next_n : int
+        1 + the number of speculative tokens (the indexer's decode threshold).
+    index_topk : int
+        The top-k width; the layer and its buffer must have the same.
+    num_reqs : int
+        The number of requests, R.
+    num_tokens : int
+        The number of new tokens, T.
+    query_lens : numpy.ndarray
+        Host int64 [R]: new tokens of each request.
+    context_lens : numpy.ndarray
+        Host int64 [R]: tokens already cached.
+    seq_lens : numpy.ndarray
+        Host int64 [R]: ``context_lens + query_lens``.
+    query_start_loc : numpy.ndarray
+        Host int64 [R + 1]: packed offsets of the new tokens.
+    block_table : int array [R, max_blocks]
+        The caller's block table (page ids of each request, in position order).
+    block_table_host : numpy.ndarray
+        Host copy of ``block_table`` (value checks read it: no device sync).
+    slot_mapping : int32 array [T]
+        Cache slot of each new token.
+    positions : int32 array [T]
+        Position of each new token in its request (its RoPE position).
+    req_ids : int32 array [T]
+        Request (row of ``block_table``) of each new token.
+    num_decodes, num_decode_tokens : int
+        The indexer's decode requests (query length ``<= next_n``) and their tokens.
+    num_prefills, num_prefill_tokens : int
+        The indexer's other requests and their tokens.
+    decode : DecodeMetadata or None
+        None when there is no indexer decode request.
+    prefill : PrefillMetadata or None
+        None when there is no indexer prefill token.
+    mla : MLAMetadata
+        The MLA side's split and dense-route decision.
+    dense : DenseMetadata or None
+        The dense route's inputs, set when ``mla.dense_prefill``.
+    checked_num_blocks : set of int
+        Cache sizes (``num_blocks``) every page id of the batch was checked
+        against (each check runs once per batch).
+
+    Attributes
+    ----------
+    last_token_rows : numpy.ndarray
+        Host int64 [R]: batch row of each request's last new token (what the
+        MTP reuse compacts to).
+    """
     xp: Any
     block_size: int
     next_n: int
@@ -165,6 +336,18 @@ class BatchMetadata:
 def decodes_first_order(query_lens, next_n=1):
     """A stable order of the requests that puts decodes (query_len <= next_n) first.
 
+    Parameters
+    ----------
+    query_lens : sequence of int [R]
+        New tokens of each request.
+    next_n : int
+        The decode threshold (1 + the number of speculative tokens).
+
+    Returns
+    -------
+    numpy.ndarray
+        int64 [R]: request ids, decodes first, each group in its original order.
+
     Examples
     --------
     >>> from cpsparse.metadata import decodes_first_order
@@ -183,7 +366,9 @@ def _leading_run(query_lens, threshold):
 
 def _plan_chunks(prefill_reqs, query_lens, context_lens, token_starts, budget):
     """Greedy chunking: list of lists of (request, first query, end query)."""
-    chunks, current, cur_tokens, cur_keys = [], [], 0, 0
+    chunks: List[List[Any]] = []
+    current: List[Any] = []
+    cur_tokens, cur_keys = 0, 0
     for r in prefill_reqs:
         qlen, ctx = int(query_lens[r]), int(context_lens[r])
         if 4 * qlen * (ctx + qlen) > budget:
@@ -438,6 +623,15 @@ def check_batch(batch, *, block_size, index_topk=None, num_blocks=None, xp=None,
 class ForwardContext:
     """Per-forward state shared by all layers: the batch and MLA metadata by layer name.
 
+    Parameters
+    ----------
+    batch : BatchMetadata
+        The forward pass's batch.
+    attn_metadata : dict of str to MLAMetadata
+        MLA metadata by layer name (vLLM's ``forward_context.attn_metadata``);
+        a layer's ``_dense_mha_metadata_layer_name`` must be a key.
+        :meth:`for_layers` maps every given name to ``batch.mla``.
+
     Examples
     --------
     >>> import numpy as np
@@ -460,7 +654,18 @@ _CURRENT = threading.local()
 
 @contextlib.contextmanager
 def set_forward_context(context):
-    """Make ``context`` the current forward context of this thread (nests)."""
+    """Make ``context`` the current forward context of this thread (nests).
+
+    Parameters
+    ----------
+    context : ForwardContext
+        What :func:`get_forward_context` returns inside the ``with`` block.
+
+    Yields
+    ------
+    ForwardContext
+        ``context``; the previous one is restored on exit.
+    """
     previous = getattr(_CURRENT, "context", None)
     _CURRENT.context = context
     try:
@@ -470,7 +675,13 @@ def set_forward_context(context):
 
 
 def get_forward_context():
-    """The current :class:`ForwardContext`; RuntimeError outside ``set_forward_context``."""
+    """The current :class:`ForwardContext`; RuntimeError outside ``set_forward_context``.
+
+    Returns
+    -------
+    ForwardContext
+        The innermost context set by :func:`set_forward_context` on this thread.
+    """
     context = getattr(_CURRENT, "context", None)
     if context is None:
         raise RuntimeError("no forward context is set: run the layer inside "

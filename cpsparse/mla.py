@@ -7,7 +7,8 @@ LayerNorm, weights_proj, RoPE on the first 64 dims, Hadamard rotation, FP8),
 and the attention routes: dense causal MHA for short prefills, sparse MLA over
 the shared top-k buffer otherwise.
 
-The gate (``DESIGN.md`` section 8) is decided once, at construction::
+The gate (``docs/contract.md``, "The indexer of a layer and the construction-time
+gate") is decided once, at construction::
 
     enable_short_prefill_scoring_skip = (not is_mtp_layer and not skip_topk
                                          and not use_pcp and platform.is_cuda())
@@ -20,7 +21,7 @@ indexer) or PCP layers.
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import numpy
 
@@ -45,6 +46,70 @@ INDEX_Q_EPS = 1e-10
 class MLAConfig:
     """Shapes of one DeepSeek-V3.2 attention layer (defaults: the released model).
 
+    Every field is a constructor keyword; the sizes must be positive ints
+    (checked at construction, ``ValueError`` naming the field).
+
+    Parameters
+    ----------
+    hidden_size : int
+        Model width, the last dim of the layer's input and output (7168).
+    num_heads : int
+        MLA attention heads of this layer on this rank (128; 16, 32 or 64 per
+        rank under tensor parallelism).
+    q_lora_rank : int
+        Width of the compressed query ``q_c = RMSNorm(x @ q_a_proj)`` (1536);
+        the indexer's ``wq_b`` reads the same ``q_c``.
+    kv_lora_rank : int
+        Width L of the latent ``kv_c`` (512), a multiple of 128: the
+        fp8_ds_mla cache keeps one float32 scale per 128 latent values, and the
+        attention's value width is L.
+    qk_nope_head_dim : int
+        Per-head query/key dims without RoPE (128), absorbed into the latent
+        through ``W_UK`` (from ``kv_b_proj``).
+    qk_rope_head_dim : int
+        RoPE dims R (64): the per-head ``q_pe``, the shared ``k_pe`` (bf16 in
+        the cache), and the rotated leading dims of the indexer's q and k. Even,
+        and at most ``index_head_dim``.
+    v_head_dim : int
+        Per-head value dims after ``W_UV`` (128); ``o_proj`` reads
+        ``num_heads * v_head_dim``.
+    index_n_heads : int
+        Indexer heads H (64).
+    index_head_dim : int
+        Indexer head dim D (128): the FP8 group of its queries and keys and the
+        ``head_dim`` of its key cache; a power of two when ``index_hadamard``.
+    index_topk : int
+        Keys each query keeps (2048; 512 and 1024 work too): the width of the
+        top-k buffer, and the dense-route threshold
+        (``prefill.use_dense_mha = prefill.max_seq_len <= index_topk``).
+    block_size : int
+        Tokens per page of both paged caches (64).
+    rope_theta : float
+        RoPE base (10000.0) of the MLA (interleaved pairs) and the indexer
+        (NeoX halves). Plain RoPE: no YaRN frequency scaling.
+    rms_norm_eps : float
+        Epsilon of the RMSNorms of ``q_c`` and ``kv_c`` (1e-6).
+    softmax_mscale : float or None
+        YaRN attention factor: ``sm_scale`` is multiplied by its square (see
+        :func:`cpsparse.softmax_scale`). None (the default): no factor, so
+        ``sm_scale = 192 ** -0.5``. DeepSeek-V3.2's checkpoint config (rope
+        factor 40, ``mscale_all_dim`` 1.0) corresponds to
+        ``0.1 * ln 40 + 1 = 1.368888``.
+    index_scale_fmt : {"ue8m0", None}
+        Scale format of the indexer's FP8 queries and keys ("ue8m0": powers
+        of two, as in DeepSeek-V3.2; None: plain float32 scales).
+    index_hadamard : bool
+        Rotate the indexer's q and k by the normalised Hadamard matrix before
+        FP8 quantization (True in DeepSeek-V3.2).
+
+    Attributes
+    ----------
+    qk_head_dim : int
+        ``qk_nope_head_dim + qk_rope_head_dim`` (192), the head dim that sets
+        the softmax scale.
+    sm_scale : float
+        ``softmax_scale(qk_nope_head_dim, qk_rope_head_dim, softmax_mscale)``.
+
     Examples
     --------
     >>> from cpsparse.mla import MLAConfig
@@ -53,6 +118,8 @@ class MLAConfig:
     (192, 576, 2048)
     >>> MLAConfig.small().index_topk
     64
+    >>> round(cfg.sm_scale, 6), round(MLAConfig(softmax_mscale=1.368888).sm_scale, 6)
+    (0.072169, 0.135234)
     """
     hidden_size: int = 7168
     num_heads: int = 128
@@ -74,7 +141,7 @@ class MLAConfig:
     @classmethod
     def small(cls, **overrides):
         """A preset that runs a whole layer in milliseconds on the CPU."""
-        base = dict(hidden_size=256, num_heads=4, q_lora_rank=96, kv_lora_rank=128,
+        base: dict[str, Any] = dict(hidden_size=256, num_heads=4, q_lora_rank=96, kv_lora_rank=128,
                     qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
                     index_n_heads=8, index_head_dim=128, index_topk=64, block_size=16)
         base.update(overrides)
@@ -113,6 +180,20 @@ def init_weights(config, seed=0, with_indexer=True):
 
     Keys follow the checkpoint names (``q_a_proj``, ``kv_b_proj``,
     ``indexer.wq_b`` ...); matrices are stored [in, out] so that ``x @ W``.
+
+    Parameters
+    ----------
+    config : MLAConfig
+        The layer's shapes.
+    seed : int
+        Seed of ``numpy.random.default_rng``.
+    with_indexer : bool
+        Include the ``indexer.*`` weights (False for an index-sharing layer).
+
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        float32 weights by checkpoint name.
     """
     c = config
     rng = numpy.random.default_rng(seed)
@@ -158,7 +239,7 @@ def _layer_norm(xp, x, weight, bias, eps):
     return ((x - mean) / xp.sqrt(var + eps) * weight + bias).astype(xp.float32)
 
 
-_INV_FREQ = {}
+_INV_FREQ: dict[Any, Any] = {}
 
 
 def _rope_inv_freq(xp, d, theta):
@@ -312,7 +393,7 @@ class DeepseekV32MLA:
         # no call yet, or the last call skipped scoring or raised), and the rows declared
         # reusable since (never more than were written).
         self._rows_written = None
-        self._reusable_topk_rows = None
+        self._reusable_topk_rows: Any = None
 
         if weights is None:
             weights = init_weights(config, seed, with_indexer=not self.shares_topk)
@@ -328,11 +409,13 @@ class DeepseekV32MLA:
         self.w_uk = xp.ascontiguousarray(kv_b[:, :, :c.qk_nope_head_dim].transpose(1, 2, 0))
         self.w_uv = xp.ascontiguousarray(kv_b[:, :, c.qk_nope_head_dim:].transpose(1, 0, 2))
         self.o_proj = xp.asarray(weights["o_proj"])
-        self.indexer = None if self.shares_topk else _Indexer(c, weights, xp)
+        # (None where the top-k is shared; callers know which layer they hold)
+        self.indexer: Any = None if self.shares_topk else _Indexer(c, weights, xp)
         self.attention_stats = AttentionStats()
-        self.mla_cache = None
-        self.indexer_cache = None
-        self.topk_indices_buffer = None
+        # Set by allocate_kv_cache (None until then; forward checks it first).
+        self.mla_cache: Any = None
+        self.indexer_cache: Any = None
+        self.topk_indices_buffer: Any = None
 
     def __repr__(self):
         return (f"DeepseekV32MLA({self.layer_name!r}, is_mtp_layer={self.is_mtp_layer}, "
@@ -570,6 +653,27 @@ class DeepseekV32AttentionStack:
     ``index_share_every=n`` makes every layer whose index is not a multiple of
     n an index-sharing layer (``skip_topk=True``: reads the rows of the last
     layer that scored).
+
+    Parameters
+    ----------
+    config : MLAConfig
+        Shapes of every layer.
+    num_layers : int
+        Layers in the stack, named ``f"{prefix}.{i}.attn"``.
+    index_share_every : int
+        Layer i scores (owns an indexer) when ``i % index_share_every == 0``.
+    num_blocks : int
+        Pages of each layer's caches.
+    max_num_tokens : int
+        Rows of the shared top-k buffer (the most tokens of one batch).
+    platform : object with ``is_cuda()``, optional
+        Passed to every layer (the construction-time gate).
+    seed : int
+        Layer i's random weights use ``seed + i``.
+    xp : module
+        ``numpy`` or ``cupy``.
+    prefix : str
+        First part of the layer names.
 
     Examples
     --------

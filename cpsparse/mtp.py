@@ -1,6 +1,7 @@
 """The MTP (multi-token prediction) draft driver: step-0 top-k, reused by steps 1+.
 
-A draft round of ``k`` steps over an MTP layer (``DESIGN.md`` section 10):
+A draft round of ``k`` steps over an MTP layer (``docs/contract.md``, "MTP step-0
+top-k reuse"):
 
 1. step 0 runs the layer on every step-0 token; its indexer scores them and
    writes top-k rows ``[0, T0)`` of the shared buffer;

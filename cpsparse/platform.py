@@ -21,6 +21,11 @@ class _DetectedPlatform:
 class StaticPlatform:
     """A platform with a fixed answer.
 
+    Parameters
+    ----------
+    cuda : bool
+        What :meth:`is_cuda` returns.
+
     Examples
     --------
     >>> from cpsparse.platform import StaticPlatform
@@ -39,5 +44,11 @@ class StaticPlatform:
 
 
 def current_platform():
-    """The detected platform (CUDA when CuPy sees a device)."""
+    """The detected platform (CUDA when CuPy sees a device).
+
+    Returns
+    -------
+    object with ``is_cuda()``
+        ``is_cuda()`` is True when CuPy sees a CUDA device.
+    """
     return _DetectedPlatform()

@@ -1,5 +1,5 @@
-"""``sparse_attn_indexer``: the lightning indexer of one layer over a batch (DESIGN
-section 7), vLLM's name for it.
+"""``sparse_attn_indexer``: the lightning indexer of one layer over a batch
+(``docs/contract.md``, "The indexer of a layer"), vLLM's name for it.
 
 It validates the whole batch once (every argument, before the first write), then
 runs the unvalidated op cores of :mod:`cpsparse.indexer` and the caches: no
@@ -82,8 +82,9 @@ def _check_layer_name(name, forward_context):
 
 
 def _short_prefill_skip(name, forward_context, xp):
-    """DESIGN section 7 step 2: the MLA metadata under ``name`` makes top-k unused
-    (read from the metadata's one predicate, which the layer's route reads too)."""
+    """Step 2 of :func:`sparse_attn_indexer` (the early return): the MLA metadata under
+    ``name`` makes top-k unused (read from the metadata's one predicate, which the
+    layer's route reads too)."""
     if not name:
         return False
     return (forward_context.attn_metadata[name].topk_unused
@@ -105,7 +106,8 @@ def sparse_attn_indexer(q_codes, weights, k, k_cache, metadata, topk_indices_buf
                         forward_context=None, stats=None):
     """Run the lightning indexer of one layer over a batch; fill the top-k rows.
 
-    Order of work (``DESIGN.md`` section 7):
+    Order of work (:doc:`the contract </contract>`, "The indexer of a layer and the
+    construction-time gate"):
 
     1. insert the new keys ``k`` into ``k_cache`` (unless ``skip_k_cache_insert``);
     2. short-prefill early return: if ``dense_mha_metadata_layer_name`` is

@@ -33,6 +33,12 @@ autodoc_default_options = {"members": False}
 numpydoc_show_class_members = False
 numpydoc_class_members_toctree = False
 numpydoc_xref_param_type = False
+# numpydoc validation of every docstring the API pages render, methods included (a
+# failure is a warning, and the build runs with -W): no unknown, untyped or misordered
+# parameter, a summary line, known section names, Yields for generators.
+# tests/test_docs.py adds PR01/RT01/GL08 (every parameter and return documented) for
+# the objects docs/api.md lists.
+numpydoc_validation_checks = {"GL06", "SS01", "PR02", "PR03", "PR04", "PR06", "PR10", "YD01"}
 
 doctest_global_setup = "import numpy as np\nimport cpsparse"
 intersphinx_mapping = {}

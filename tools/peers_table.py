@@ -1,5 +1,5 @@
 """Turn benchmarks/results/peers.json (``python3 -m benchmarks.bench_peers``) into
-docs/performance_peers.md: one table row per DESIGN §12 workload.
+docs/performance_peers.md: one table row per workload of the peer protocol.
 
 Usage: python tools/peers_table.py [benchmarks/results/peers.json]
 """
@@ -34,7 +34,7 @@ def markdown(results):
     c = results.get("ceilings", {})
     lines = [f"# Side by side with the peers, {results.get('device', '?')}, "
              f"{results.get('date', '?')}", "",
-             "`python3 -m benchmarks.bench_peers` (DESIGN §12): cpsparse and the peer in one "
+             "`python3 -m benchmarks.bench_peers`: cpsparse and the peer in one "
              "process on the same input bytes, outputs cross-checked. Times in us, median "
              "(p10-p90). *call*: the public op, eager, host time included; *kernel*: the same "
              "call replayed from a CUDA graph. speedup = peer / cpsparse (> 1: cpsparse is "

@@ -33,11 +33,13 @@ CuPy's cache directory (``CUPY_CACHE_DIR``) is honoured: compiled cubins are
 reused across processes.
 """
 
+from __future__ import annotations
+
 import ctypes
 import pathlib
 import struct
 import threading
-from typing import NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 import numpy
 
@@ -61,7 +63,7 @@ class KernelUnavailable(RuntimeError):
     """The GPU (or CuPy) cannot run cpsparse's kernels (or this kernel module)."""
 
 
-def parse_capability(cc):
+def parse_capability(cc: str | int | tuple[int, int]) -> tuple[int, int]:
     """``(major, minor)`` from ``(9, 0)``, ``"9.0"``, ``"90"`` / ``"100"`` (CuPy's form) or ``90``.
 
     Examples
@@ -80,7 +82,7 @@ def parse_capability(cc):
         return int(s[:-1]), int(s[-1])     # CuPy: f"{major}{minor}", minor < 10
     if isinstance(cc, int) and not isinstance(cc, bool):
         return parse_capability(str(cc))
-    major, minor = cc
+    major, minor = cc  # type: ignore[misc, assignment]  # a (major, minor) pair here
     return int(major), int(minor)
 
 
@@ -159,7 +161,7 @@ class ModuleSpec(NamedTuple):
 
 
 # module name -> ModuleSpec, in registration order
-MODULES = {}
+MODULES: dict[str, ModuleSpec] = {}
 
 
 def register_module(name, files, options=(), *, capabilities, ops=(), needs="", defines=None):
@@ -216,7 +218,7 @@ def arch_for(capability):
 _arch_for = arch_for          # former private name
 
 
-def supported_modules(capability):
+def supported_modules(capability: str | int | tuple[int, int]) -> list[str]:
     """Names of the kernel modules that run on ``capability`` (registration order).
 
     Examples
@@ -231,7 +233,7 @@ def supported_modules(capability):
     return [name for name, spec in MODULES.items() if cc in spec.capabilities]
 
 
-def supported_ops(capability):
+def supported_ops(capability: str | int | tuple[int, int]) -> list[str]:
     """The public ops whose CuPy inputs run GPU kernels on ``capability``.
 
     On other capabilities those ops raise :class:`KernelUnavailable` for CuPy
@@ -247,7 +249,7 @@ def supported_ops(capability):
 
 
 _LOCK = threading.Lock()
-_COMPILED = {}
+_COMPILED: dict[Any, Any] = {}
 
 
 def _current_device(cp):
@@ -341,7 +343,7 @@ def get_function(module, kernel):
     return get_module(module).get_function(kernel)
 
 
-def precompile(modules=None):
+def precompile(modules: Iterable[str] | None = None) -> list[str]:
     """Compile the kernel modules the current device runs (or the named ones).
 
     Returns the names compiled. Call it at start-up to keep NVRTC out of the
@@ -351,6 +353,17 @@ def precompile(modules=None):
     is compiled and the others are skipped (on a device below compute
     capability 8.0 that is none: the result is ``[]``). Named modules are all
     checked before any is compiled: one the device cannot run raises.
+
+    Parameters
+    ----------
+    modules : iterable of str, optional
+        Kernel module names (``"quant"``, ``"indexer"``, ``"topk"``,
+        ``"attention"``); None: every module the device runs.
+
+    Returns
+    -------
+    list of str
+        The names compiled.
 
     Raises
     ------
@@ -410,8 +423,9 @@ class DeviceFacts(NamedTuple):
     smem_per_block: int       # opt-in maximum of dynamic shared memory per block
 
 
-_DEVICES = {}                 # device id -> DeviceFacts
-_KERNELS = {}                 # (device id, module, kernel) -> [RawKernel, smem limit set]
+_DEVICES: dict[int, DeviceFacts] = {}  # device id -> DeviceFacts
+# (device id, module, kernel) -> [RawKernel, smem limit set]
+_KERNELS: dict[tuple[int, str, str], list[Any]] = {}
 
 
 def device_facts():
@@ -527,7 +541,7 @@ def _driver_launch():
     return driver.launchKernel
 
 
-_LIBCUDA = []
+_LIBCUDA: list[Any] = []
 
 
 def _param_sizes(fptr):
@@ -545,7 +559,8 @@ def _param_sizes(fptr):
     lib = _LIBCUDA[0]
     if lib is None:
         return None
-    sizes, offset, size = [], ctypes.c_size_t(), ctypes.c_size_t()
+    sizes: list[int] = []
+    offset, size = ctypes.c_size_t(), ctypes.c_size_t()
     while len(sizes) < 256:
         rc = lib.cuFuncGetParamInfo(ctypes.c_void_p(fptr), len(sizes), ctypes.byref(offset),
                                     ctypes.byref(size))

@@ -14,6 +14,7 @@ others (it runs the reference, and warns).
 """
 
 import os
+from typing import Any
 
 import numpy
 
@@ -149,7 +150,7 @@ def decode_plan(batch, next_n, heads, width, block_size, sms, smem_per_sm, stage
     return variant, nc, nch, hp, stages, pt, -(-tiles_w // pt)
 
 
-_PLANS = {}
+_PLANS: dict[Any, Any] = {}
 
 
 def paged_plan(batch, next_n, heads, dim, width, block_size, path=None):

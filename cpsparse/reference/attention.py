@@ -7,11 +7,18 @@ holds (NaN included) cannot reach the output; a NaN that does take part (in the
 query or in a valid key) makes that row's out and lse NaN, never the empty marker.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
 import numpy
 
 from cpsparse import paging
 from cpsparse.reference import fp8
 from cpsparse.reference._xp import xp_of
+
+if TYPE_CHECKING:
+    from cpsparse._typing import Array, FloatLike
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -38,7 +45,9 @@ def _softmax_rows(xp, logits, valid):
     return p, lse
 
 
-def sparse_mla_attention(q, kv, indices, sm_scale, d_v, decode=None):
+def sparse_mla_attention(q: Array, kv: Array, indices: Array, sm_scale: FloatLike, d_v: int,
+                         decode: Callable[[Array], Array] | None = None
+                         ) -> tuple[Array, Array]:
     """out [T, H, d_v], lse [T, H] (float32) over the rows ``kv[indices[t]]``.
 
     kv is the dense latent [S, Dqk], or raw rows (e.g. fp8_ds_mla records)
@@ -74,7 +83,8 @@ def sparse_mla_attention(q, kv, indices, sm_scale, d_v, decode=None):
     return out, lse
 
 
-def dense_mla_attention(q, kv, sm_scale, d_v, cu_seqlens_q, cu_seqlens_k):
+def dense_mla_attention(q: Array, kv: Array, sm_scale: FloatLike, d_v: int, cu_seqlens_q: Array,
+                        cu_seqlens_k: Array) -> tuple[Array, Array]:
     """Causal attention per request, bottom-right aligned (host int64 cu arrays).
 
     Query i of request r (q_len queries, k_len keys) sees keys

@@ -9,11 +9,18 @@ L = 512, R = 64): L e4m3 codes of the latent, L // 128 float32 scales, then R
 bfloat16 RoPE values.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import numpy
 
 from cpsparse import paging
 from cpsparse.reference import fp8
 from cpsparse.reference._xp import xp_of
+
+if TYPE_CHECKING:
+    from cpsparse._typing import Array
 
 MLA_QUANT_BLOCK = 128
 
@@ -26,7 +33,8 @@ def _as_u8(xp, a, n):
 
 # ---- indexer key cache -------------------------------------------------------
 
-def indexer_insert(data, block_size, head_dim, codes, scales, slot_mapping):
+def indexer_insert(data: Array, block_size: int, head_dim: int, codes: Array, scales: Array,
+                   slot_mapping: Array) -> None:
     """Scatter codes [N, D] uint8 and scales [N] float32 into the pages.
 
     Slot -1 is skipped, and so is any slot outside the cache (never written).
@@ -45,7 +53,8 @@ def indexer_insert(data, block_size, head_dim, codes, scales, slot_mapping):
     flat[scale_pos] = _as_u8(xp, scales[valid].astype(xp.float32)[:, None], 4)
 
 
-def indexer_read(data, block_size, head_dim, blocks, offsets):
+def indexer_read(data: Array, block_size: int, head_dim: int, blocks: Array,
+                 offsets: Array) -> tuple[Array, Array]:
     """codes [N, D] uint8 and scales [N] float32 of (page, offset) pairs.
 
     A page id outside ``[0, num_blocks)`` reads nothing: zero codes, zero scale.
@@ -65,7 +74,8 @@ def indexer_read(data, block_size, head_dim, blocks, offsets):
     return codes, scales
 
 
-def request_positions(cu_seq_lens, block_table, block_size):
+def request_positions(cu_seq_lens: Array, block_table: Array,
+                      block_size: int) -> tuple[Array, Array]:
     """(page, offset) of every token of a packed batch; cu_seq_lens is host int64.
 
     A position past its request's table row gets page -1 (read as nothing).
@@ -82,11 +92,11 @@ def request_positions(cu_seq_lens, block_table, block_size):
 
 # ---- MLA fp8_ds_mla cache ----------------------------------------------------
 
-def mla_token_bytes(kv_lora_rank, rope_dim):
+def mla_token_bytes(kv_lora_rank: int, rope_dim: int) -> int:
     return kv_lora_rank + 4 * (kv_lora_rank // MLA_QUANT_BLOCK) + 2 * rope_dim
 
 
-def mla_quantize(kv_c):
+def mla_quantize(kv_c: Array) -> tuple[Array, Array]:
     """codes [N, L] uint8 and scales [N, L // 128] float32 with
     ``scale = max(amax / 448, FLT_MIN)`` (not a power of two).
 
@@ -96,7 +106,7 @@ def mla_quantize(kv_c):
     return fp8.quantize_groups(kv_c, MLA_QUANT_BLOCK, None, fp8.E4M3_MAX * fp8.FLT_MIN)
 
 
-def mla_encode(kv_c, k_pe):
+def mla_encode(kv_c: Array, k_pe: Array) -> Array:
     """fp8_ds_mla records uint8 [N, T] of latent [N, L] and RoPE part [N, R]."""
     xp = xp_of(kv_c)
     codes, scales = mla_quantize(kv_c)
@@ -106,7 +116,7 @@ def mla_encode(kv_c, k_pe):
                            _as_u8(xp, rope, 2 * rope.shape[-1])], axis=1)
 
 
-def mla_decode(records, kv_lora_rank, rope_dim):
+def mla_decode(records: Array, kv_lora_rank: int, rope_dim: int) -> Array:
     """float32 [N, L + R]: dequantized latent then RoPE part, from records [N, T]."""
     xp = xp_of(records)
     lora, groups = kv_lora_rank, kv_lora_rank // MLA_QUANT_BLOCK
@@ -118,7 +128,7 @@ def mla_decode(records, kv_lora_rank, rope_dim):
     return xp.concatenate([latent, fp8.bf16_decode(rope_bits)], axis=1)
 
 
-def mla_insert(data, records, slot_mapping):
+def mla_insert(data: Array, records: Array, slot_mapping: Array) -> None:
     """Write records [N, T] into data [num_blocks, B, T]; slot -1 and any slot outside
     the cache are skipped (never written)."""
     flat = data.reshape(-1, data.shape[-1])
@@ -126,7 +136,7 @@ def mla_insert(data, records, slot_mapping):
     flat[slot_mapping[valid].astype(xp_of(data).int64)] = records[valid]
 
 
-def mla_read(data, slots, kv_lora_rank, rope_dim):
+def mla_read(data: Array, slots: Array, kv_lora_rank: int, rope_dim: int) -> Array:
     """Dequantized rows float32 [N, L + R] of global slots; a slot outside the cache
     reads nothing and gives a zero row."""
     xp = xp_of(data)

@@ -13,9 +13,16 @@ Arithmetic contract (what a kernel must reproduce bit for bit):
   round-to-nearest-even to e4m3, saturating to +-448; NaN stays NaN.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 import numpy
 
 from cpsparse.reference._xp import xp_of
+
+if TYPE_CHECKING:
+    from cpsparse._typing import Array, FloatLike, ScaleFormat
 
 E4M3_MAX = 448.0
 FLT_MIN = float(numpy.finfo(numpy.float32).tiny)
@@ -37,7 +44,7 @@ def _e4m3_table():
     return _E4M3_TABLE
 
 
-def e4m3_encode(x):
+def e4m3_encode(x: Array) -> Array:
     """Round float32 values to e4m3fn codes (RNE, saturate to +-448, NaN -> 0x7F).
 
     Infinities saturate to +-448 like the CUDA ``satfinite`` conversion.
@@ -63,10 +70,10 @@ def e4m3_encode(x):
     return code | sign
 
 
-_DEVICE_TABLES = {}
+_DEVICE_TABLES: dict[Any, Any] = {}
 
 
-def e4m3_decode(codes):
+def e4m3_decode(codes: Array) -> Array:
     """float32 values of e4m3fn codes (uint8)."""
     xp = xp_of(codes)
     if xp is numpy:
@@ -79,7 +86,7 @@ def e4m3_decode(codes):
     return table[codes]
 
 
-def bf16_encode(x):
+def bf16_encode(x: Array) -> Array:
     """Round float32 values to bfloat16 bit patterns (uint16, RNE; NaN kept quiet)."""
     xp = xp_of(x)
     x = xp.ascontiguousarray(x, dtype=xp.float32)
@@ -89,24 +96,24 @@ def bf16_encode(x):
     return xp.where((u & xp.uint32(0x7FFFFFFF)) > xp.uint32(0x7F800000), nan, rounded)
 
 
-def bf16_decode(bits):
+def bf16_decode(bits: Array) -> Array:
     """float32 values of bfloat16 bit patterns (uint16)."""
     xp = xp_of(bits)
     return (bits.astype(xp.uint32) << 16).view(xp.float32)
 
 
-def to_float32(x):
+def to_float32(x: Array) -> Array:
     """float32 copy of a float16/32/64 or ml_dtypes bfloat16 array."""
     xp = xp_of(x)
     return xp.asarray(x).astype(xp.float32)
 
 
-def to_float64(x):
+def to_float64(x: Array) -> Array:
     xp = xp_of(x)
     return xp.asarray(x).astype(xp.float64)
 
 
-def group_scales(amax, eps, scale_fmt):
+def group_scales(amax: Array, eps: FloatLike, scale_fmt: ScaleFormat) -> Array:
     """float32 scales from float32 group maxima (see the module contract)."""
     xp = xp_of(amax)
     eps32 = float(numpy.float32(eps))
@@ -121,7 +128,8 @@ def group_scales(amax, eps, scale_fmt):
     return s
 
 
-def quantize_groups(x, block_size, scale_fmt, eps):
+def quantize_groups(x: Array, block_size: int, scale_fmt: ScaleFormat,
+                    eps: FloatLike) -> tuple[Array, Array]:
     """codes uint8 x.shape, scales float32 [..., last // block_size]."""
     xp = xp_of(x)
     x32 = to_float32(x)
@@ -138,7 +146,7 @@ def quantize_groups(x, block_size, scale_fmt, eps):
     return e4m3_encode(q).reshape(x32.shape), scales
 
 
-def dequantize_groups(codes, scales, block_size):
+def dequantize_groups(codes: Array, scales: Array, block_size: int) -> Array:
     xp = xp_of(codes)
     vals = e4m3_decode(codes).astype(xp.float64)
     lead = codes.shape[:-1]

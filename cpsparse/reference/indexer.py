@@ -8,6 +8,10 @@ and a 128-term dot product of them spans less than 2**43 quanta, so the fp8
 dot products are *exact* in float64, in any summation order.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import numpy
 
 from cpsparse import paging
@@ -15,10 +19,13 @@ from cpsparse.reference import cache as cache_ref
 from cpsparse.reference import fp8
 from cpsparse.reference._xp import to_host, xp_of
 
+if TYPE_CHECKING:
+    from cpsparse._typing import Array, IntLike
+
 WORKSPACE_BYTES = 256 << 20
 
 
-def fold_weights(weights, q_scales, head_dim):
+def fold_weights(weights: Array, q_scales: Array, head_dim: IntLike) -> Array:
     """``W[t,h] = w[t,h] * s_q[t,h] * D**-0.5 * H**-0.5`` in float32."""
     xp = xp_of(weights)
     n_heads = weights.shape[-1]
@@ -36,7 +43,8 @@ def _score_block(q, k, k_scales, weights):
     return acc * k_scales[None, :]
 
 
-def mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke):
+def mqa_logits(q_codes: Array, k_codes: Array, k_scales: Array, weights: Array, ks: Array,
+               ke: Array) -> Array:
     """logits [M, N] float32; ``-inf`` outside ``[ks, ke)``.
 
     Windows are clamped to the keys that exist (``[max(ks, 0), min(ke, N))``), as the
@@ -72,8 +80,8 @@ def mqa_logits(q_codes, k_codes, k_scales, weights, ks, ke):
 decode_row_ends = paging.decode_row_ends
 
 
-def paged_mqa_logits(q_codes, cache_data, block_size, weights, context_lens, block_table,
-                     max_context_len):
+def paged_mqa_logits(q_codes: Array, cache_data: Array, block_size: int, weights: Array,
+                     context_lens: Array, block_table: Array, max_context_len: int) -> Array:
     """logits [B * next_n, max_context_len] float32 over the paged key cache.
 
     Windows end at ``min(end, max_context_len)``. A position whose page id is
@@ -109,7 +117,7 @@ def paged_mqa_logits(q_codes, cache_data, block_size, weights, context_lens, blo
 
 # ---- top-k -------------------------------------------------------------------
 
-def order_keys(values):
+def order_keys(values: Array) -> Array:
     """uint32 keys whose unsigned order is the order of the float32 values.
 
     NaN maps to 0, below every number (-inf included); -0.0 maps like +0.0
@@ -123,7 +131,8 @@ def order_keys(values):
     return xp.where(xp.isnan(v), xp.uint32(0), keys)
 
 
-def topk_per_row(logits, row_starts, row_ends, k, out=None):
+def topk_per_row(logits: Array, row_starts: Array, row_ends: Array, k: int,
+                 out: Array | None = None) -> Array:
     """int32 [M, k] of row-start-relative positions; see :func:`cpsparse.indexer.topk_per_row`.
 
     Rows no longer than k get ``0..len-1`` then -1. Longer rows get the k
@@ -160,7 +169,8 @@ def topk_per_row(logits, row_starts, row_ends, k, out=None):
     return out
 
 
-def topk_per_row_decode(logits, context_lens, next_n, k, out=None):
+def topk_per_row_decode(logits: Array, context_lens: Array, next_n: int, k: int,
+                        out: Array | None = None) -> Array:
     """Decode form: row_starts 0, row ends from :func:`decode_row_ends`."""
     xp = xp_of(logits)
     ends = decode_row_ends(context_lens, next_n)
@@ -169,7 +179,7 @@ def topk_per_row_decode(logits, context_lens, next_n, k, out=None):
 
 # ---- Hadamard rotation -------------------------------------------------------
 
-def hadamard_rotate(x):
+def hadamard_rotate(x: Array) -> Array:
     """``x @ H_n / sqrt(n)`` on the last axis (Sylvester order), float32 out.
 
     Iterative fast Walsh-Hadamard transform in float64: log2(n) butterfly
