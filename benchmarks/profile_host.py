@@ -17,21 +17,18 @@ import io
 import os
 import pstats
 import sys
-import time
-
 import numpy
 
 from benchmarks import harness
+from cpsparse import timing
 
 CALLS = 2000
 
 
 def _per_call_us(fn, n=CALLS):
-    fn()
-    t0 = time.perf_counter_ns()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter_ns() - t0) / n / 1e3
+    """Median host time of back-to-back calls (no synchronize between them:
+    :func:`cpsparse.timing.time_cpu`), in microseconds."""
+    return timing.time_cpu(fn, None, warmup=1, iters=n)["median_ms"] * 1e3
 
 
 def _profile(name, fn, out):
@@ -62,7 +59,7 @@ def _blocks(out):
     '''
     mod = cp.RawModule(code=src)
     k1, k16 = mod.get_function("k1"), mod.get_function("k16")
-    from cpsparse import raw_kernels, timing
+    from cpsparse import raw_kernels
     fast16 = raw_kernels.Kernel(k16, "k16", "PPPP" + "i" * 12).bind(cp)
     fast1 = raw_kernels.Kernel(k1, "k1", "P").bind(cp)
     a = cp.zeros(16, cp.int32)

@@ -95,3 +95,45 @@ def test_packer_writes_each_parameter_in_its_slot():
 def test_bad_signature_letter_is_refused():
     with pytest.raises(ValueError, match="Invalid signature"):
         raw_kernels.Kernel(None, "t", "Px")
+
+
+def test_kernel_lookup_sets_function_attributes_once(monkeypatch):
+    """kernel(): memoized per (device, module, name); the carveout and the raised
+    shared-memory limit land on the CuPy function (CPU: CuPy and the device faked)."""
+
+    class Raw:                                  # stands in for cupy.RawKernel
+        preferred_shared_memory_carveout = None
+        max_dynamic_shared_size_bytes = 0
+
+        class kernel:
+            ptr = 1234
+
+    class Cuda:
+        class runtime:
+            @staticmethod
+            def getDevice():
+                return 7
+
+        @staticmethod
+        def get_current_stream():
+            return None
+
+    class CP:
+        cuda = Cuda
+
+    raw = Raw()
+    monkeypatch.setattr(raw_kernels, "_cupy", lambda: CP)
+    monkeypatch.setattr(raw_kernels, "get_function", lambda module, name: raw)
+    monkeypatch.setattr(raw_kernels, "_param_sizes", lambda fptr: [8, 4])
+    monkeypatch.setattr(raw_kernels, "_driver_launch", lambda: None)
+    monkeypatch.setattr(raw_kernels, "_KERNELS", {})
+    fn = raw_kernels.kernel("m", "k", "Pi", smem=1000, carveout=100)
+    assert fn.raw is raw and raw.preferred_shared_memory_carveout == 100
+    assert raw.max_dynamic_shared_size_bytes == 1000
+    assert raw_kernels.kernel("m", "k", "Pi", smem=500) is fn
+    assert raw.max_dynamic_shared_size_bytes == 1000          # never lowered
+    raw_kernels.kernel("m", "k", "Pi", smem=2000)
+    assert raw.max_dynamic_shared_size_bytes == 2000
+    monkeypatch.setattr(raw_kernels, "_param_sizes", lambda fptr: [8, 8])
+    with pytest.raises(RuntimeError, match="parameter sizes"):
+        raw_kernels.kernel("m", "k2", "Pi")                   # int32 declared, 8 compiled

@@ -57,12 +57,12 @@ if want bench; then
     done
 fi
 if want peers; then
+    # bench_peers waits for the build, puts the peers on sys.path and preloads
+    # libstdc++ for DeepGEMM's JIT itself.
     echo "== benchmarks.bench_peers"
-    for _ in $(seq 1 60); do [ -s "$PEERS_DIR/built" ] && break; sleep 5; done
-    cp "$PEERS_DIR"/*.log "$OUT/" 2>/dev/null
-    PYTHONPATH=$PEERS_DIR/DeepGEMM:$PEERS_DIR/FlashMLA:$PYTHONPATH \
-        LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libstdc++.so.6 \
-        python3 -m benchmarks.bench_peers "$@" 2>&1 | tee "$OUT/bench_peers.log" | tail -60
+    python3 -m benchmarks.bench_peers --peers-dir "$PEERS_DIR" "$@" 2>&1 \
+        | tee "$OUT/bench_peers.log" | tail -60
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    cp "$PEERS_DIR"/*.log "$OUT/" 2>/dev/null
 fi
 exit $status

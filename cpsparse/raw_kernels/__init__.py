@@ -516,23 +516,7 @@ class Kernel:
         with self._lock:
             self._pack(self._buffer, args)
             self._launch_kernel(self._fptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
-                           self._stream().ptr, self._params, 0)
-
-    @property
-    def max_dynamic_shared_size_bytes(self):
-        return self.raw.max_dynamic_shared_size_bytes
-
-    @max_dynamic_shared_size_bytes.setter
-    def max_dynamic_shared_size_bytes(self, value):
-        self.raw.max_dynamic_shared_size_bytes = value
-
-    @property
-    def preferred_shared_memory_carveout(self):
-        return self.raw.preferred_shared_memory_carveout
-
-    @preferred_shared_memory_carveout.setter
-    def preferred_shared_memory_carveout(self, value):
-        self.raw.preferred_shared_memory_carveout = value
+                                self._stream().ptr, self._params, 0)
 
 
 def _driver_launch():
@@ -581,11 +565,11 @@ def kernel(module, name, signature, smem=0, carveout=None):
     entry = _KERNELS.get(key)
     if entry is None:
         fn = Kernel(get_function(module, name), name, signature).bind(cp)
-        if carveout is not None:
-            fn.preferred_shared_memory_carveout = carveout
+        if carveout is not None:     # function attributes: set on the CuPy function
+            fn.raw.preferred_shared_memory_carveout = carveout
         entry = _KERNELS[key] = [fn, 0]
     if smem > entry[1]:
-        entry[0].max_dynamic_shared_size_bytes = int(smem)
+        entry[0].raw.max_dynamic_shared_size_bytes = int(smem)
         entry[1] = int(smem)
     return entry[0]
 

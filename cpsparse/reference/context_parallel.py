@@ -75,20 +75,16 @@ def merge_topk(values, positions, lens, k):
     out = xp.full((m, k), -1, dtype=xp.int32)
     if r * kr == 0:
         return out
+    # One sort of composite keys, position in the low word: a long row orders by
+    # descending value first (high word), a short row (len <= k) by position alone.
     upos = xp.where(valid, pos, 0).astype(xp.uint64)
-    # short rows (every token a candidate): ascending positions
-    asc = xp.sort(xp.where(valid, upos, xp.uint64(0xFFFFFFFFFFFFFFFF)), axis=1)[:, :k]
-    width = min(k, r * kr)
-    short = (lens.astype(xp.int64) <= k)[:, None]
-    asc_pos = xp.where(asc[:, :width] == xp.uint64(0xFFFFFFFFFFFFFFFF), -1,
-                       asc[:, :width].astype(xp.int64))
-    # long rows: descending value in the high word, position in the low word
     desc = (xp.uint32(0xFFFFFFFF) - order_keys(val)).astype(xp.uint64)
-    key = xp.where(valid, (desc << xp.uint64(32)) | upos, xp.uint64(0xFFFFFFFFFFFFFFFF))
-    best = xp.sort(key, axis=1)[:, :width]
-    best_pos = xp.where(best == xp.uint64(0xFFFFFFFFFFFFFFFF), -1,
-                        (best & xp.uint64(0xFFFFFFFF)).astype(xp.int64))
-    out[:, :width] = xp.where(short, asc_pos, best_pos).astype(xp.int32)
+    short = (lens.astype(xp.int64) <= k)[:, None]
+    none = xp.uint64(0xFFFFFFFFFFFFFFFF)
+    key = xp.where(valid, xp.where(short, upos, (desc << xp.uint64(32)) | upos), none)
+    best = xp.sort(key, axis=1)[:, :min(k, r * kr)]
+    out[:, :best.shape[1]] = xp.where(best == none, -1,
+                                      (best & xp.uint64(0xFFFFFFFF)).astype(xp.int64))
     return out
 
 
