@@ -10,9 +10,10 @@ unless the step is replayed as a CUDA graph. Measured (:mod:`cpsparse.timing`,
 device value checks off as in a production loop, DeepSeek-V3.2 shapes, one
 request of a 32K context, inputs rotating over 3 sets):
 
-* the floor: one ``cupy.empty`` and one launch of a 1-argument kernel through
-  :class:`cpsparse.raw_kernels.Kernel`, timed the same way (what any op that
-  allocates its output costs on this host; host speed varies between leases);
+* the floor: one allocation (``raw_kernels.empty``, as the ops allocate) and
+  one launch of a 1-argument kernel through :class:`cpsparse.raw_kernels.Kernel`,
+  timed the same way (what any op that allocates its output costs on this
+  host; host speed varies between leases);
 * host time of one public call: wall time until the Python call returns
   (launches are asynchronous), on an idle GPU (synchronized before each call),
   ``time.perf_counter_ns``, median with p10/p90 in microseconds; target
@@ -22,13 +23,16 @@ request of a 32K context, inputs rotating over 3 sets):
     key cache;
   - ``cpsparse.topk_per_row_decode``: k=2048 on those logits;
   - ``cpsparse.local_to_global_slots``: the 2048 top-k positions to cache slots;
+  - ``cpsparse.topk_per_row_decode`` with ``block_table=``: the top-k written
+    as cache slots in the same launch (no target of its own: what a step calls);
   - ``cpsparse.sparse_mla_attention``: H=128, topk 2048 over the fp8_ds_mla
     ``cpsparse.MLAKVCache``;
 
   their eager device time (CUDA events around the call) is reported beside it;
-* the decode step of one layer (scoring + top-k + slots + attention): eager
-  (CUDA events around the four calls: the GPU waits for the host's launches)
-  against its CUDA-graph replay (per step); target eager <= 1.3x graph.
+* the decode step of one layer (scoring + top-k to slots + attention, three
+  calls as :meth:`cpsparse.bench.DecodeStep.step` makes them): eager (CUDA
+  events around the calls: the GPU waits for the host's launches) against its
+  CUDA-graph replay (per step); target eager <= 1.3x graph.
 
 Results: benchmarks/results/host.json (and $OUT/host.json when set).
 """
@@ -53,7 +57,7 @@ def _row(op, shape, host, eager=None, graph=None):
 
 def _floor(cp):
     """The least a public op that allocates its output and launches one kernel can cost
-    on this host: one ``cupy.empty`` and one :class:`cpsparse.raw_kernels.Kernel`
+    on this host: one ``raw_kernels.empty`` and one :class:`cpsparse.raw_kernels.Kernel`
     launch of a 1-argument kernel (no validation, no plan)."""
     from cpsparse import raw_kernels
     raw = cp.RawKernel('extern "C" __global__ void cps_floor(int* a) '
@@ -61,7 +65,7 @@ def _floor(cp):
     fn = raw_kernels.Kernel(raw, "cps_floor", "P").bind(cp)
 
     def call():
-        a = cp.empty((1, 2048), dtype=cp.int32)
+        a = raw_kernels.empty(cp, (1, 2048), cp.int32)
         fn((1,), (32,), (a,))
         return a
     return call
@@ -82,10 +86,12 @@ def main():
                                  f"D={s['head_dim']} next_n=1", d.scoring),
             ("topk_per_row_decode", f"k={s['topk']} of [{BATCH}, {CONTEXT}] logits", d.topk),
             ("local_to_global_slots", f"[{BATCH}, {s['topk']}] positions", d.slots),
+            ("topk_per_row_decode(block_table=)", f"k={s['topk']} of [{BATCH}, {CONTEXT}] "
+                                                  "logits, as cache slots", d.topk_slots),
             ("sparse_mla_attention", f"fp8_ds_mla MLAKVCache H={s['mla_heads']} "
                                      f"topk {s['topk']}", d.attention),
         ]
-        rows = [dict(_row("floor: one cupy.empty + one 1-argument launch",
+        rows = [dict(_row("floor: one allocation + one 1-argument launch",
                           "raw_kernels.Kernel, nothing else",
                           timing.time_host(_floor(cp), None, xp=cp, warmup=20, iters=300)),
                      target_us=None, ok=True)]
@@ -93,8 +99,9 @@ def main():
         for name, shape, fn in ops:
             host = timing.time_host(fn, d.inputs, xp=cp, warmup=20, iters=300)
             eager = timing.time_cuda(fn, d.inputs, warmup=3, iters=50)
-            rows.append(dict(_row(name, shape, host, eager), target_us=TARGET_HOST_US,
-                             ok=host["median_us"] <= TARGET_HOST_US))
+            target = None if "block_table" in name else TARGET_HOST_US
+            rows.append(dict(_row(name, shape, host, eager), target_us=target,
+                             ok=target is None or host["median_us"] <= target))
             print(f"{name}: host {host['median_us']:.1f} us (p10-p90 {host['p10_us']:.1f}-"
                   f"{host['p90_us']:.1f}), eager device {eager['median_ms'] * 1e3:.1f} us",
                   flush=True)
@@ -103,7 +110,7 @@ def main():
         step_graph = timing.time_graph(d.step, d.inputs, reps=2 * SETS, warmup=3, iters=50)
         ratio = step_eager["median_ms"] / step_graph["median_ms"]
         rows.append(dict(_row("decode step (eager vs graph)",
-                              "scoring + top-k + slots + attention", step_host, step_eager,
+                              "scoring + top-k to slots + attention", step_host, step_eager,
                               step_graph),
                          eager_vs_graph=ratio, target_eager_vs_graph=TARGET_EAGER_VS_GRAPH,
                          ok=ratio <= TARGET_EAGER_VS_GRAPH))

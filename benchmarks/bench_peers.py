@@ -567,7 +567,6 @@ def run_decode_step(s, w):
     _fill_mla(cp, mcache.records())
     table = cp.random.permutation(b * pages).astype(cp.int32).reshape(b, pages)
     lens = _decode_lens(cp, b, ctx, nn)
-    req = cp.repeat(cp.arange(b, dtype=cp.int32), nn)
     buf = cp.full((t, K), -1, cp.int32)
     sets = [(_codes(cp, (b, nn, H_IDX, D)),
              cp.random.standard_normal((t, H_IDX), dtype=cp.float32),
@@ -576,8 +575,8 @@ def run_decode_step(s, w):
 
     def step(q8, wt, qm):
         logits = cps.paged_mqa_logits(q8, icache, wt, lens, table, ctx)
-        cps.topk_per_row_decode(logits, lens, nn, K, out=buf)
-        slots = cps.local_to_global_slots(buf, req, table, BS)
+        slots = cps.topk_per_row_decode(logits, lens, nn, K, out=buf, block_table=table,
+                                        block_size=BS)          # slot mapping fused
         return cps.sparse_mla_attention(qm, mcache, slots, scale)
 
     def make_peer(dg, fm):

@@ -20,6 +20,7 @@ import sys
 import numpy
 
 from benchmarks import harness
+from cpsparse import _validation as V
 from cpsparse import timing
 
 CALLS = 2000
@@ -68,6 +69,8 @@ def _blocks(out):
     rows = {
         "cupy.empty((1, 2048), int32)": lambda: cp.empty((1, 2048), cp.int32),
         "cupy.empty((128, 512), float32)": lambda: cp.empty((128, 512), cp.float32),
+        "raw_kernels.empty (cupy.ndarray)": lambda: raw_kernels.empty(cp, (1, 2048), cp.int32),
+        "layouts() of 4 arrays": lambda: V.layouts(a, a, a, a),
         "launch 1 pointer": lambda: k1((1,), (32,), (a,)),
         "launch 4 pointers + 12 numpy.int32": lambda: k16((1,), (32,), (a, a, a, a, *n32)),
         "launch 4 pointers + 12 python int": lambda: k16((1,), (32,), (a, a, a, a, *py)),
@@ -116,6 +119,7 @@ def main():
         _blocks(out)
         for name, fn in [("paged_mqa_logits", d.scoring), ("topk_per_row_decode", d.topk),
                          ("local_to_global_slots", d.slots),
+                         ("topk_per_row_decode(block_table=)", d.topk_slots),
                          ("sparse_mla_attention", d.attention), ("decode step", d.step)]:
             _profile(name, lambda fn=fn: fn(0), out)
     finally:

@@ -35,6 +35,60 @@ CODE_DTYPES = ("uint8", "float8_e4m3fn")
 FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
 
 
+class CallMemo:
+    """What one op's structural checks concluded, by the layouts of its arguments.
+
+    Structural checks (types, dtypes, ranks, shape relations, contiguity, the
+    backend) depend only on each array's type, shape, strides and dtype and on the
+    scalar arguments, and a serving loop calls an op with the same layouts every
+    step: the op keys its checks by :func:`layouts` and runs them on a miss only
+    (on the H200's host they cost 10-20 us a call, more than the launch). Value
+    checks read the arrays and run on every call. The memo holds no array; it is
+    bounded (cleared when full: a workload has a handful of layouts).
+    """
+
+    __slots__ = ("name", "_seen", "_size")
+
+    def __init__(self, name: str, size: int = 512) -> None:
+        self.name, self._size = name, size
+        self._seen: dict[Any, Any] = {}
+
+    def get(self, key):
+        """The value stored for ``key`` (None for a None key or a miss)."""
+        return None if key is None else self._seen.get(key)
+
+    def put(self, key, value):
+        """Store ``value`` for ``key`` (a None key is not stored); returns ``value``."""
+        if key is not None:
+            if len(self._seen) >= self._size:
+                self._seen.clear()
+            self._seen[key] = value
+        return value
+
+    def __len__(self):
+        return len(self._seen)
+
+    def clear(self):
+        self._seen.clear()
+
+
+def layouts(*arrays):
+    """Hashable key of the arguments' layouts: (type, shape, strides, dtype) of each
+    array, None for None; None when an argument is not an array (the checks then
+    say why). Scalars go into the key beside it, with their type (``True == 1``)."""
+    try:
+        return tuple([None if a is None else (type(a), a.shape, a.strides, a.dtype)
+                      for a in arrays])
+    except AttributeError:
+        return None
+
+
+def as_codes(a):
+    """The uint8 view of e4m3 codes that passed :func:`check_codes` (NumPy's
+    float8_e4m3fn arrays are viewed, uint8 ones returned as they are)."""
+    return a.view(numpy.uint8) if _name_of(a.dtype) == "float8_e4m3fn" else a
+
+
 def set_device_value_checks(enabled: bool) -> bool:
     """Enable or disable value checks (which synchronise) on CuPy inputs.
 
@@ -144,7 +198,7 @@ def check_index(name, a, **kwargs):
 def check_codes(name, a, **kwargs):
     """e4m3 codes as uint8 or float8_e4m3fn; returns the uint8 view the ops compute on."""
     check_array(name, a, dtype=CODE_DTYPES, **kwargs)
-    return a.view(numpy.uint8) if _name_of(a.dtype) == "float8_e4m3fn" else a
+    return as_codes(a)
 
 
 def squeeze_axis(name, a, axis, ndim):

@@ -71,13 +71,12 @@ def softmax_scale(qk_nope_head_dim: int = 128, qk_rope_head_dim: int = 64,
 
 
 def _kv_source(kv_cache, dqk, d_v):
-    """(rows [S, *] array, decode fn or None, d_v) for any accepted kv_cache form."""
+    """(MLAKVCache, or a dense workspace [S, D], and d_v) for any accepted kv_cache form."""
     if isinstance(kv_cache, MLAKVCache):
         if kv_cache.head_dim != dqk:
             raise ValueError(f"Invalid kv_cache: expected kv_lora_rank + rope_dim = {dqk} "
                              f"(the last dimension of q), got {kv_cache.head_dim}")
-        return (kv_cache.records(), kv_cache.decode_records,
-                kv_cache.kv_lora_rank if d_v is None else d_v)
+        return kv_cache, kv_cache.kv_lora_rank if d_v is None else d_v
     V.check_array("kv_cache", kv_cache, contiguous=True)
     if str(kv_cache.dtype) in V.CODE_DTYPES:
         # A raw fp8_ds_mla array: infer L from D = L + R and T = L + L/32 + 2R.
@@ -95,7 +94,7 @@ def _kv_source(kv_cache, dqk, d_v):
                           d_v)
     V.check_array("kv_cache", kv_cache, ndim=2, dtype=V.FLOAT_DTYPES, shape=(None, dqk),
                   shape_desc="[num_slots, D] (dense latent)")
-    return kv_cache, None, (dqk - DEFAULT_ROPE_DIM if d_v is None else d_v)
+    return kv_cache, (dqk - DEFAULT_ROPE_DIM if d_v is None else d_v)
 
 
 def _check_q(q):
@@ -163,18 +162,42 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
     >>> np.round(lse[0], 4)                                 # log(2)
     array([0.6931, 0.6931], dtype=float32)
     """
-    xp = _backend.get_array_module(q=q, indices=indices,
-                                   kv_cache=kv_cache.data if isinstance(kv_cache, MLAKVCache)
-                                   else kv_cache)
-    tokens, heads, dqk = _check_q(q)
-    rows, decode, d_v = _kv_source(kv_cache, dqk, d_v)
-    d_v = _check_d_v(d_v, dqk)
-    indices = V.squeeze_axis("indices", indices, 1, 3)       # FlashMLA's [T, 1, topk]
-    V.check_index("indices", indices, ndim=2, shape=(tokens, None),
-                  shape_desc="[T, topk] or [T, 1, topk]")
+    if isinstance(kv_cache, MLAKVCache):
+        data, wrapped = kv_cache.data, (kv_cache.kv_lora_rank, kv_cache.rope_dim)
+    else:
+        data, wrapped = kv_cache, None
+    key = V.layouts(q, indices, data)
+    if key is not None:
+        key += (type(sm_scale), sm_scale, type(d_v), d_v, wrapped)
+    hit = _SPARSE_CALLS.get(key)
+    if hit is None:
+        xp = _backend.get_array_module(q=q, indices=indices, kv_cache=data)
+        tokens, heads, dqk = _check_q(q)
+        source, d_v = _kv_source(kv_cache, dqk, d_v)
+        d_v = _check_d_v(d_v, dqk)
+        indices = V.squeeze_axis("indices", indices, 1, 3)       # FlashMLA's [T, 1, topk]
+        V.check_index("indices", indices, ndim=2, shape=(tokens, None),
+                      shape_desc="[T, topk] or [T, 1, topk]")
+        sm_scale = _check_scale(sm_scale)
+        # A raw fp8_ds_mla array is found again by its latent width (the layout
+        # checks passed), a dense workspace by None.
+        lora = source.kv_lora_rank if isinstance(source, MLAKVCache) else None
+        _SPARSE_CALLS.put(key, (xp, d_v, sm_scale, lora))
+    else:                                  # the same layouts passed the checks above
+        xp, d_v, sm_scale, lora = hit
+        if indices.ndim == 3:
+            indices = indices.reshape(indices.shape[0], indices.shape[2])
+        source = kv_cache if wrapped is not None or lora is None else MLAKVCache.trusted_view(
+            data, lora, q.shape[2] - lora, xp)
+    if isinstance(source, MLAKVCache):
+        rows, decode = source.records(), source.decode_records
+    else:
+        rows, decode = source, None
     V.check_slots(xp, indices, rows.shape[0], name="indices")
-    sm_scale = _check_scale(sm_scale)
     return sparse_mla_attention_core(xp, q, rows, decode, indices, sm_scale, d_v)
+
+
+_SPARSE_CALLS = V.CallMemo("sparse_mla_attention")
 
 
 def sparse_mla_attention_core(xp, q, rows, decode, indices, sm_scale, d_v):
@@ -291,16 +314,28 @@ def local_to_global_slots(indices: Array, req_ids: Array, block_table: Array,
     ...                       np.array([[7, 3]], np.int32), block_size=64)
     array([[448, 193,  -1]], dtype=int32)
     """
-    xp = _backend.get_array_module(indices=indices, req_ids=req_ids, block_table=block_table)
-    block_size = V.check_positive_int("block_size", block_size)
-    V.check_index("indices", indices, ndim=2, shape_desc="[T, topk]")
-    V.check_index("req_ids", req_ids, shape=(indices.shape[0],),
-                  shape_desc="[T]")
-    V.check_index("block_table", block_table, ndim=2,
-                  shape_desc="[R, max_blocks]")
+    key = V.layouts(indices, req_ids, block_table)
+    if key is not None:
+        key += (type(block_size), block_size)
+    hit = _SLOTS_CALLS.get(key)
+    if hit is None:
+        xp = _backend.get_array_module(indices=indices, req_ids=req_ids,
+                                       block_table=block_table)
+        block_size = V.check_positive_int("block_size", block_size)
+        V.check_index("indices", indices, ndim=2, shape_desc="[T, topk]")
+        V.check_index("req_ids", req_ids, shape=(indices.shape[0],),
+                      shape_desc="[T]")
+        V.check_index("block_table", block_table, ndim=2,
+                      shape_desc="[R, max_blocks]")
+        _SLOTS_CALLS.put(key, (xp, block_size))
+    else:
+        xp, block_size = hit
     V.check_slots(xp, indices, block_table.shape[1] * block_size, name="indices")
     V.check_slots(xp, req_ids, block_table.shape[0], name="req_ids", allow_negative_one=False)
     return local_to_global_slots_core(xp, indices, req_ids, block_table, block_size)
+
+
+_SLOTS_CALLS = V.CallMemo("local_to_global_slots")
 
 
 def local_to_global_slots_core(xp, indices, req_ids, block_table, block_size):

@@ -156,7 +156,7 @@ def _tables(xp, batch, context, block, extra=1):
 
 
 class DecodeStep:
-    """One decode step of a layer as its four public ops, with rotating inputs.
+    """One decode step of a layer as its public ops, with rotating inputs.
 
     ``batch`` requests of ``context`` cached tokens, one new token each:
     indexer scoring (:func:`cpsparse.paged_mqa_logits`), top-k
@@ -164,7 +164,9 @@ class DecodeStep:
     slots (:func:`cpsparse.local_to_global_slots`) and sparse MLA attention over
     the fp8_ds_mla cache (:func:`cpsparse.sparse_mla_attention`). ``sets``
     input sets (queries, weights, and each op's precomputed input) rotate:
-    every op takes the set index ``j``; :meth:`step` chains the four.
+    every op takes the set index ``j``; :meth:`step` chains them as a serving
+    loop would, the slot mapping fused into the top-k (:meth:`topk_slots`:
+    ``block_table=``), so a step is three calls.
 
     Examples
     --------
@@ -216,14 +218,19 @@ class DecodeStep:
     def slots(self, j):
         return local_to_global_slots(self.rows[j], self.req_ids, self.table, self.block)
 
+    def topk_slots(self, j):
+        """Top-k straight to cache slots (the mapping fused into the top-k launch)."""
+        return topk_per_row_decode(self.logits[j], self.lens, 1, self.k, out=self.buf,
+                                   block_table=self.table, block_size=self.block)
+
     def attention(self, j):
         return sparse_mla_attention(self.q[j], self.mcache, self.slot_sets[j], self.sm_scale)
 
     def step(self, j):
-        """Scoring + top-k + slots + attention of set ``j``: (out, lse)."""
+        """Scoring + top-k to slots + attention of set ``j``: (out, lse)."""
         logits = self.scoring(j)
-        topk_per_row_decode(logits, self.lens, 1, self.k, out=self.buf)
-        slots = local_to_global_slots(self.buf, self.req_ids, self.table, self.block)
+        slots = topk_per_row_decode(logits, self.lens, 1, self.k, out=self.buf,
+                                    block_table=self.table, block_size=self.block)
         return sparse_mla_attention(self.q[j], self.mcache, slots, self.sm_scale)
 
 
@@ -406,7 +413,7 @@ def bench_decode_step(xp, s, rng, progress, ceilings):
             graph, graph_note = timing.try_time_graph(xp, d.step, d.inputs, reps=2 * d.sets,
                                                       iters=s["iters"])
             if graph is not None:
-                graph_note = "captured: scoring + top-k + slots + attention, " + \
+                graph_note = "captured: scoring + top-k to slots + attention, " + \
                     f"{graph['reps']} steps per graph"
             roof = _decode_roofline(batch, context, s, ceilings)
             total = sum(t[k]["median_ms"] for k in ("scoring", "topk", "slots", "attention"))

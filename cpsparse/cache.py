@@ -114,6 +114,17 @@ class IndexerKCache:
         self._setup(data, block_size, head_dim, scale_fmt)
         return self
 
+    @classmethod
+    def trusted_view(cls, data: Array, block_size: int, head_dim: int,
+                     xp: ModuleType) -> IndexerKCache:
+        """:meth:`wrap` of an array whose layout already passed :meth:`wrap`'s checks
+        (an op's memo of its argument layouts): no checks, the 2-D view only."""
+        self = cls.__new__(cls)
+        self.block_size, self.head_dim, self.scale_fmt = block_size, head_dim, "ue8m0"
+        self.data = data if data.ndim == 2 else data.reshape(data.shape[0], -1)
+        self.xp = xp
+        return self
+
     def _setup(self, data: Array, block_size: IntLike, head_dim: IntLike,
                scale_fmt: ScaleFormat) -> None:
         self.block_size = V.check_positive_int("block_size", block_size)
@@ -287,6 +298,20 @@ class MLAKVCache:
                              shape=(None, None, _ref.mla_token_bytes(kv_lora_rank, rope_dim)),
                              shape_desc="[num_blocks, block_size, token_bytes]")
         self._setup(data, kv_lora_rank, rope_dim)
+        return self
+
+    @classmethod
+    def trusted_view(cls, data: Array, kv_lora_rank: int, rope_dim: int,
+                     xp: ModuleType) -> MLAKVCache:
+        """:meth:`wrap` of an array whose layout already passed :meth:`wrap`'s checks
+        (an op's memo of its argument layouts): no checks."""
+        self = cls.__new__(cls)
+        if data.ndim == 4:                       # FlashMLA's [num_blocks, bs, 1, bytes]
+            data = data.reshape(data.shape[0], data.shape[1], data.shape[3])
+        if data.dtype != numpy.uint8:            # NumPy's float8_e4m3fn bytes
+            data = data.view(numpy.uint8)
+        self.data, self.kv_lora_rank, self.rope_dim, self.xp = data, kv_lora_rank, rope_dim, xp
+        self._records = data.reshape(-1, data.shape[-1])
         return self
 
     def _setup(self, data: Array, kv_lora_rank: int, rope_dim: int) -> None:

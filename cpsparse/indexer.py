@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from cpsparse import _backend
 from cpsparse import _validation as V
+from cpsparse import attention as _attention
 from cpsparse import paging
 from cpsparse.cache import IndexerKCache
 from cpsparse.raw_kernels import indexer as _kindexer
@@ -75,10 +76,24 @@ def topk_per_row_core(xp, logits, row_starts, row_ends, k, out):
     return _ref.topk_per_row(logits, row_starts, row_ends, k, out=out)
 
 
-def topk_per_row_decode_core(xp, logits, context_lens, next_n, k, out):
+def topk_per_row_decode_core(xp, logits, context_lens, next_n, k, out, block_table=None,
+                             block_size=0):
+    if block_table is not None and _backend.use_kernels(xp) \
+            and _ktopk.supports_slots(block_size):
+        return _ktopk.topk_per_row_decode(xp, logits, context_lens, next_n, k, out,
+                                          block_table=block_table, block_size=block_size)
     if _backend.use_kernels(xp):
-        return _ktopk.topk_per_row_decode(xp, logits, context_lens, next_n, k, out)
-    return _ref.topk_per_row_decode(logits, context_lens, next_n, k, out=out)
+        rows = _ktopk.topk_per_row_decode(xp, logits, context_lens, next_n, k, out)
+    else:
+        rows = _ref.topk_per_row_decode(logits, context_lens, next_n, k, out=out)
+    if block_table is None:
+        return rows
+    req_ids = xp.arange(rows.shape[0], dtype=xp.int32) // next_n
+    slots = _attention.local_to_global_slots_core(xp, rows, req_ids, block_table, block_size)
+    if out is None:
+        return slots
+    out[...] = slots
+    return out
 
 
 def fold_weights(weights: Array, q_scales: Array, head_dim: IntLike = 128) -> Array:
@@ -286,31 +301,44 @@ def paged_mqa_logits(q_codes: Array, cache: IndexerKCache | Array, weights: Arra
     >>> np.isfinite(logits).sum(axis=1)     # next_n=2: rows see 69 and 70 keys
     array([69, 70])
     """
-    xp = _backend.get_array_module(q_codes=q_codes, weights=weights, context_lens=context_lens,
-                                   block_table=block_table,
-                                   cache=cache.data if isinstance(cache, IndexerKCache)
-                                   else cache)
-    q_codes = V.check_codes("q_codes", q_codes, ndim=4, shape_desc="[B, next_n, H, D]")
-    batch, next_n, heads, dim = q_codes.shape
-    cache = _cache_of(cache, dim)
-    _check_heads(q_codes, weights, batch * next_n)
-    _check_decode_lens(context_lens, batch, next_n)
-    V.check_index("block_table", block_table, ndim=2, shape=(batch, None),
-                  shape_desc="[B, max_blocks]")
-    max_context_len = V.check_nonnegative_int("max_context_len", max_context_len)
-    V.check_context_lens(xp, context_lens, block_table, cache.block_size, max_context_len,
-                         cache.num_blocks)
-    return paged_mqa_logits_core(xp, q_codes, cache, weights, context_lens, block_table,
+    if isinstance(cache, IndexerKCache):
+        data, wrapped = cache.data, (cache.block_size, cache.head_dim)
+    else:
+        data, wrapped = cache, None
+    key = V.layouts(q_codes, weights, context_lens, block_table, data)
+    if key is not None:
+        key += (type(max_context_len), max_context_len, wrapped)
+    hit = _PAGED_CALLS.get(key)
+    if hit is None:
+        xp = _backend.get_array_module(q_codes=q_codes, weights=weights,
+                                       context_lens=context_lens, block_table=block_table,
+                                       cache=data)
+        q_codes = V.check_codes("q_codes", q_codes, ndim=4, shape_desc="[B, next_n, H, D]")
+        batch, next_n, heads, dim = q_codes.shape
+        kcache = _cache_of(cache, dim)
+        _check_heads(q_codes, weights, batch * next_n)
+        _check_decode_lens(context_lens, batch, next_n)
+        V.check_index("block_table", block_table, ndim=2, shape=(batch, None),
+                      shape_desc="[B, max_blocks]")
+        max_context_len = V.check_nonnegative_int("max_context_len", max_context_len)
+        _PAGED_CALLS.put(key, (xp, kcache.block_size))
+    else:                                  # the same layouts passed the checks above
+        xp, block_size = hit
+        q_codes = V.as_codes(q_codes)
+        kcache = cache if isinstance(cache, IndexerKCache) else \
+            IndexerKCache.trusted_view(data, block_size, q_codes.shape[3], xp)
+    V.check_context_lens(xp, context_lens, block_table, kcache.block_size, max_context_len,
+                         kcache.num_blocks)
+    return paged_mqa_logits_core(xp, q_codes, kcache, weights, context_lens, block_table,
                                  max_context_len)
 
 
-def _check_out(xp, out, rows, k):
-    """A fresh int32 [rows, k] array, or the caller's ``out`` once checked.
+_PAGED_CALLS = V.CallMemo("paged_mqa_logits")
 
-    (get_array_module has already refused an ``out`` on the other backend.)
-    """
-    if out is None:
-        return xp.empty((rows, k), dtype=xp.int32)
+
+def _check_out(xp, out, rows, k):
+    """The caller's ``out`` once checked (get_array_module has already refused an
+    ``out`` on the other backend; None is allocated by the core)."""
     V.check_array("out", out, ndim=2, dtype="int32", shape=(rows, k), shape_desc="[M, k]")
     return out
 
@@ -352,16 +380,29 @@ def topk_per_row(logits: Array, row_starts: Array, row_ends: Array, k: IntLike,
 
     Row 1's window ``[1, 2)`` is no longer than k, so it takes the shortcut.
     """
-    xp = _backend.get_array_module(logits=logits, row_starts=row_starts, row_ends=row_ends,
-                                   out=out)
-    k = V.check_positive_int("k", k)
-    V.check_array("logits", logits, ndim=2, dtype="float32", shape_desc="[M, N]")
-    m, n = logits.shape
-    V.check_index("row_starts", row_starts, shape=(m,), shape_desc="[M]")
-    V.check_index("row_ends", row_ends, shape=(m,), shape_desc="[M]")
-    out = _check_out(xp, out, m, k)
-    V.check_windows(xp, row_starts, row_ends, n, ks_name="row_starts", ke_name="row_ends")
+    key = V.layouts(logits, row_starts, row_ends, out)
+    if key is not None:
+        key += (type(k), k)
+    hit = _TOPK_CALLS.get(key)
+    if hit is None:
+        xp = _backend.get_array_module(logits=logits, row_starts=row_starts,
+                                       row_ends=row_ends, out=out)
+        k = V.check_positive_int("k", k)
+        V.check_array("logits", logits, ndim=2, dtype="float32", shape_desc="[M, N]")
+        m = logits.shape[0]
+        V.check_index("row_starts", row_starts, shape=(m,), shape_desc="[M]")
+        V.check_index("row_ends", row_ends, shape=(m,), shape_desc="[M]")
+        if out is not None:
+            _check_out(xp, out, m, k)
+        _TOPK_CALLS.put(key, (xp, k))
+    else:
+        xp, k = hit
+    V.check_windows(xp, row_starts, row_ends, logits.shape[1], ks_name="row_starts",
+                    ke_name="row_ends")
     return topk_per_row_core(xp, logits, row_starts, row_ends, k, out)
+
+
+_TOPK_CALLS = V.CallMemo("topk_per_row")
 
 
 def decode_row_ends(context_lens: Array, next_n: IntLike) -> Array:
@@ -378,21 +419,32 @@ def decode_row_ends(context_lens: Array, next_n: IntLike) -> Array:
 
 
 def topk_per_row_decode(logits: Array, context_lens: Array, next_n: IntLike, k: IntLike,
-                        out: Array | None = None) -> Array:
+                        out: Array | None = None, *, block_table: Array | None = None,
+                        block_size: IntLike = 64) -> Array:
     """Top-k of decode rows: row (b, j) covers positions ``[0, end)`` as in
-    :func:`paged_mqa_logits`.
+    :func:`paged_mqa_logits`; with ``block_table``, their global cache slots.
 
     Parameters
     ----------
     logits : float32 [B * next_n, W]
-    context_lens : int32 [B] or [B, next_n]
+    context_lens : int32 or int64 [B] or [B, next_n]
     next_n : int
     k : int
     out : int32 [B * next_n, k], optional
+    block_table : int32 or int64 [B, max_blocks], optional
+        The paged cache's table (the one :func:`paged_mqa_logits` read). Given,
+        each chosen position ``pos`` of request b is written as its slot
+        ``block_table[b, pos // block_size] * block_size + pos % block_size``,
+        exactly what :func:`cpsparse.local_to_global_slots` would map it to, in
+        the same launch (a power-of-two ``block_size``; others take a second
+        launch): the attention's indices with one kernel and no extra buffer.
+    block_size : int
+        Tokens per page of ``block_table``.
 
     Returns
     -------
-    int32 [B * next_n, k], same rules as :func:`topk_per_row`.
+    int32 [B * next_n, k], same rules as :func:`topk_per_row` (positions, or their
+    slots; -1 stays -1).
 
     Examples
     --------
@@ -402,17 +454,37 @@ def topk_per_row_decode(logits: Array, context_lens: Array, next_n: IntLike, k: 
     >>> topk_per_row_decode(logits, np.array([4], np.int32), next_n=2, k=2)
     array([[0, 2],
            [3, 0]], dtype=int32)
+    >>> topk_per_row_decode(logits, np.array([4], np.int32), next_n=2, k=2,
+    ...                     block_table=np.array([[5]], np.int32), block_size=4)
+    array([[20, 22],
+           [23, 20]], dtype=int32)
     """
-    xp = _backend.get_array_module(logits=logits, context_lens=context_lens, out=out)
-    k = V.check_positive_int("k", k)
-    next_n = V.check_positive_int("next_n", next_n)
-    V.check_array("logits", logits, ndim=2, dtype="float32", shape_desc="[B * next_n, W]")
+    key = V.layouts(logits, context_lens, out, block_table)
+    if key is not None:
+        key += (type(next_n), next_n, type(k), k, type(block_size), block_size)
+    hit = _TOPK_DECODE_CALLS.get(key)
+    if hit is None:
+        xp = _backend.get_array_module(logits=logits, context_lens=context_lens, out=out,
+                                       block_table=block_table)
+        k = V.check_positive_int("k", k)
+        next_n = V.check_positive_int("next_n", next_n)
+        block_size = V.check_positive_int("block_size", block_size)
+        V.check_array("logits", logits, ndim=2, dtype="float32",
+                      shape_desc="[B * next_n, W]")
+        if logits.shape[0] % next_n:
+            raise ValueError(f"Invalid shape of logits: expected [B * next_n, W] with "
+                             f"next_n={next_n}, got {tuple(logits.shape)}")
+        batch = logits.shape[0] // next_n
+        _check_decode_lens(context_lens, batch, next_n)
+        if block_table is not None:
+            V.check_index("block_table", block_table, ndim=2, shape=(batch, None),
+                          shape_desc="[B, max_blocks]")
+        if out is not None:
+            _check_out(xp, out, logits.shape[0], k)
+        _TOPK_DECODE_CALLS.put(key, (xp, k, next_n, block_size))
+    else:
+        xp, k, next_n, block_size = hit
     rows, width = logits.shape
-    if rows % next_n:
-        raise ValueError(f"Invalid shape of logits: expected [B * next_n, W] with "
-                         f"next_n={next_n}, got {tuple(logits.shape)}")
-    _check_decode_lens(context_lens, rows // next_n, next_n)
-    out = _check_out(xp, out, rows, k)
     if V.value_checks_enabled(xp) and rows:
         longest = int(decode_row_ends(context_lens, next_n).max())
         if longest > width:
@@ -421,4 +493,10 @@ def topk_per_row_decode(logits: Array, context_lens: Array, next_n: IntLike, k: 
         if int(context_lens.min()) < 0:
             raise ValueError("Invalid context_lens: expected values >= 0, got "
                              f"{int(context_lens.min())}")
-    return topk_per_row_decode_core(xp, logits, context_lens, next_n, k, out)
+        if block_table is not None:       # every position a row can choose has a page
+            V.check_context_lens(xp, context_lens, block_table, block_size, None)
+    return topk_per_row_decode_core(xp, logits, context_lens, next_n, k, out,
+                                    block_table, block_size)
+
+
+_TOPK_DECODE_CALLS = V.CallMemo("topk_per_row_decode")

@@ -111,6 +111,8 @@ def test_baselines_are_valid(func):
 def test_documented_error(func, arg, bad, gpu, error, message):
     if gpu and not cpsparse.gpu_available():
         pytest.skip("row mixes a CuPy array in: needs a GPU")
+    primer, primer_kwargs = baseline(func)
+    primer(**primer_kwargs)      # the ops' memo of valid layouts must not hide the error
     fn, kwargs = baseline(func)
     namespace = dict(kwargs, np=np)
     if gpu:

@@ -44,7 +44,7 @@ def _paged(cp, kin, dq, dcache, dw, dctx, dtable, width, path=None, piece_tiles=
            out=None):
     """Launch the decode kernel of ``path`` (after checking its plan covers the shape)."""
     batch, next_n, heads, dim = dq.shape
-    _, plan = kin.paged_plan(batch, next_n, heads, dim, width, dcache.block_size, path)
+    plan = kin.paged_plan(batch, next_n, heads, dim, width, dcache.block_size, path)[1]
     assert kin.supports_paged(dq, dcache.data, plan), \
         f"decode kernel does not cover {dq.shape}, width {width}, block {dcache.block_size}"
     if out is None:

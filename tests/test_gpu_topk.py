@@ -325,3 +325,63 @@ def test_matches_reference_backend_short_rows(cp):
     got = topk_per_row(cp.asarray(logits), cp.asarray(starts), cp.asarray(ends), k,
                        out=_poisoned(cp, len(lens), k))
     assert np.array_equal(got.get(), ref)
+
+
+def _slot_table(rng, batch, cols, num_blocks, bad=False):
+    """Distinct random page ids; ``bad``: negative and int32-overflowing ids in use."""
+    table = rng.permutation(num_blocks)[:batch * cols].reshape(batch, cols).astype(np.int32)
+    if bad:
+        table[0, 1] = -1
+        table[1, 0] = 2**31 - 1          # page * block_size overflows int32: -1
+    return table
+
+
+def _mapped(positions, table, next_n, block_size):
+    from cpsparse import paging
+    req = np.arange(positions.shape[0], dtype=np.int32) // next_n
+    return paging.local_to_global_slots(positions, req, table, block_size)
+
+
+@pytest.mark.parametrize("variant", ["c1", "c1_t256", "c2", "c4", "c8"])
+@pytest.mark.parametrize("bad", [False, True])
+def test_decode_fused_slots_every_variant(cp, ktopk, variant, bad):
+    """The fused slot mapping gives what local_to_global_slots gives the positions
+    (distinct logits, so the chosen set is unique), on every compiled variant, with
+    bad page ids in use (value checks off: masked to -1, never read)."""
+    rng = np.random.default_rng(len(variant) + bad)
+    k, next_n, bs = 2048, 2, 64
+    width = 20000 if variant == "c1_t256" else 131072
+    ctx = np.array([width, 5000, 100], np.int32)
+    cols = -(-width // bs)
+    table = _slot_table(rng, 3, cols, 8 * cols, bad)
+    logits = np.stack([rng.permutation(width) for _ in range(3 * next_n)]).astype(np.float32)
+    dl, dctx, dtable = cp.asarray(logits), cp.asarray(ctx), cp.asarray(table)
+    positions = ktopk.topk_per_row_decode(cp, dl, dctx, next_n, k, None, variant=variant)
+    fused = ktopk.topk_per_row_decode(cp, dl, dctx, next_n, k, _poisoned(cp, 3 * next_n, k),
+                                      variant=variant, block_table=dtable, block_size=bs)
+    want = _mapped(positions.get(), table, next_n, bs)
+    assert np.array_equal(np.sort(fused.get(), axis=1), np.sort(want, axis=1))
+    if bad:
+        assert (want == -1).sum() > (positions.get() == -1).sum()   # the masking was hit
+
+
+@pytest.mark.parametrize("block_size", [64, 48])
+@pytest.mark.parametrize("two_d", [False, True])
+def test_decode_fused_slots_public(cp, block_size, two_d):
+    """The public op with block_table: the kernel's fused path (64) and the
+    two-launch path (48, not a power of two) against the reference backend."""
+    rng = np.random.default_rng(block_size + two_d)
+    k, next_n, width = 2048, 2, 40000
+    lens = np.array([width, 3000, 2049, 7], np.int32)
+    ctx = np.minimum(lens[:, None] + np.arange(next_n) - 1, width).astype(np.int32) \
+        if two_d else lens
+    cols = -(-width // block_size)
+    table = _slot_table(rng, 4, cols, 6 * cols)
+    logits = np.stack([rng.permutation(width) for _ in range(4 * next_n)]).astype(np.float32)
+    want = topk_per_row_decode(logits, ctx, next_n, k, block_table=table,
+                               block_size=block_size)
+    out = _poisoned(cp, 4 * next_n, k)
+    got = topk_per_row_decode(cp.asarray(logits), cp.asarray(ctx), next_n, k, out=out,
+                              block_table=cp.asarray(table), block_size=block_size)
+    assert got is out
+    assert np.array_equal(np.sort(got.get(), axis=1), np.sort(want, axis=1))

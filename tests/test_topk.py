@@ -360,3 +360,35 @@ def test_topk_per_row_k2048_long_rows():
         window = logits[r, starts[r]:ends[r]]
         check_row_contract(window, got[r], k)
         np.testing.assert_array_equal(got[r], expected_row(window, k))
+
+
+@pytest.mark.parametrize("block_size", [64, 48])
+@pytest.mark.parametrize("two_d", [False, True])
+def test_decode_block_table_gives_slots(block_size, two_d):
+    """topk_per_row_decode(block_table=...) == local_to_global_slots of its positions,
+    out= included; a table too narrow for a row's window is refused."""
+    from cpsparse import local_to_global_slots, topk_per_row_decode
+    rng = np.random.default_rng(block_size + two_d)
+    k, next_n, width = 16, 2, 300
+    lens = np.array([300, 40, 17, 3], np.int32)
+    ctx = np.minimum(lens[:, None] + np.arange(next_n) - 1, width).astype(np.int32) \
+        if two_d else lens
+    cols = -(-width // block_size)
+    table = rng.permutation(10 * cols)[:4 * cols].reshape(4, cols).astype(np.int32)
+    logits = rng.standard_normal((4 * next_n, width)).astype(np.float32)
+    positions = topk_per_row_decode(logits, ctx, next_n, k)
+    want = local_to_global_slots(positions, np.arange(4 * next_n, dtype=np.int32) // next_n,
+                                 table, block_size)
+    got = topk_per_row_decode(logits, ctx, next_n, k, block_table=table,
+                              block_size=block_size)
+    np.testing.assert_array_equal(got, want)
+    out = np.full((4 * next_n, k), 7, np.int32)
+    assert topk_per_row_decode(logits, ctx, next_n, k, out, block_table=table,
+                               block_size=block_size) is out
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(ValueError, match="Invalid shape of block_table"):
+        topk_per_row_decode(logits, ctx, next_n, k, block_table=table[:, :1].copy(),
+                            block_size=block_size)
+    with pytest.raises(ValueError, match=r"Invalid shape of block_table: expected \[B, "):
+        topk_per_row_decode(logits, ctx, next_n, k, block_table=table[:2],
+                            block_size=block_size)

@@ -23,6 +23,7 @@ bf16 as stored).
 """
 
 import math
+from typing import Any
 
 import numpy
 
@@ -110,40 +111,58 @@ def choose_splits(units, tiles, sms):
     return -(-tiles // per_split)
 
 
+_PLANS: dict[Any, Any] = {}
+
+
+def _plan(tokens, heads, topk, fp8, dense, sm_scale, splits):
+    """(units, splits, attention kernel, combine kernel or None, log2-domain scale) of
+    a launch shape on the current device, memoized (a function of the shapes only)."""
+    key = (raw_kernels.current_device(), tokens, heads, topk, fp8, dense, sm_scale, splits)
+    plan = _PLANS.get(key)
+    if plan is None:
+        units = tokens * -(-heads // HEADS_PER_CTA)
+        if splits is None:                 # the dense route's ranges differ per token: 1
+            splits = 1 if dense else choose_splits(units, -(-topk // 64),
+                                                   raw_kernels.device_facts().sms)
+        if not 1 <= splits <= MAX_SPLITS:
+            raise ValueError(f"Invalid splits: expected 1 <= splits <= {MAX_SPLITS}, "
+                             f"got {splits}")
+        combine = None if splits == 1 else raw_kernels.kernel(
+            "attention", "cps_mla_combine", COMBINE_ARGS)
+        plan = (units, splits, _attention_kernel(fp8), combine,
+                float(numpy.float32(sm_scale * math.log2(math.e))))
+        if len(_PLANS) > 1024:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
 def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_scale, d_v,
             splits=None):
     tokens, heads, _ = q.shape
-    out = cp.empty((tokens, heads, d_v), dtype=cp.float32)
-    lse = cp.empty((tokens, heads), dtype=cp.float32)
+    out = raw_kernels.empty(cp, (tokens, heads, d_v), cp.float32)
+    lse = raw_kernels.empty(cp, (tokens, heads), cp.float32)
     if tokens == 0 or heads == 0:
         return out, lse
-    if indices is not None and indices.shape[1] == 0:   # no key at all (and maybe no
-        out.fill(0)                                     # buffer behind indices)
+    topk = 0 if indices is None else indices.shape[1]
+    if indices is not None and topk == 0:   # no key at all (and maybe no buffer
+        out.fill(0)                         # behind indices)
         lse.fill(-numpy.inf)
         return out, lse
+    units, splits, fn, combine, scale_log2 = _plan(tokens, heads, topk, fp8, indices is None,
+                                                   sm_scale, splits)
     qq, q_half = _q_operand(cp, q)
     num_slots = kv.shape[0]                   # every slot outside [0, num_slots) is masked
-    if kv.shape[0] == 0:                      # every index is -1: never read, but keep
+    if num_slots == 0:                        # every index is -1: never read, but keep
         kv = cp.zeros((1,) + kv.shape[1:], dtype=kv.dtype)   # the pointer valid
     kv = _aligned(cp, kv)
-    topk = 0 if indices is None else indices.shape[1]
-    scale_log2 = float(numpy.float32(sm_scale * math.log2(math.e)))
-    groups = -(-heads // HEADS_PER_CTA)
-    units = tokens * groups
-    if splits is None:                     # the dense route's ranges differ per token: 1
-        splits = 1 if indices is None else choose_splits(
-            units, -(-topk // 64), raw_kernels.device_facts().sms)
-    if not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"Invalid splits: expected 1 <= splits <= {MAX_SPLITS}, got {splits}")
     part = None
     if splits > 1:        # partial rows [T, H, splits, d_v], then partial lse [T, H, splits]
-        part = cp.empty(tokens * heads * splits * (d_v + 1), dtype=cp.float32)
-    fn = _attention_kernel(fp8)
+        part = raw_kernels.empty(cp, (tokens * heads * splits * (d_v + 1),), cp.float32)
     fn((units * splits,), (THREADS,),
        (qq, q_half, kv, indices, topk, num_slots, row_start, row_len, out, lse, heads, d_v,
         scale_log2, splits, part), shared_mem=SMEM_BYTES)
-    if splits > 1:
-        combine = raw_kernels.kernel("attention", "cps_mla_combine", COMBINE_ARGS)
+    if combine is not None:
         combine((tokens * heads,), (128,), (part, out, lse, splits, d_v))
     return out, lse
 
@@ -185,7 +204,7 @@ def dense_mla_attention(cp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges=None):
 
 def local_to_global_slots(cp, indices, req_ids, block_table, block_size):
     """``block_table[req, pos // B] * B + pos % B`` elementwise; -1 stays -1."""
-    out = cp.empty(indices.shape, dtype=cp.int32)
+    out = raw_kernels.empty(cp, indices.shape, cp.int32)
     n = indices.size
     if n:
         fn = raw_kernels.kernel("attention", "cps_local_to_global_slots", SLOTS_ARGS)

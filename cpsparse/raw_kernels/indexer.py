@@ -93,7 +93,7 @@ def mqa_logits(cp, q_codes, k_codes, k_scales, weights, ks, ke, out=None, path=N
     m, heads, dim = q_codes.shape
     n = k_codes.shape[0]
     if out is None:
-        out = cp.empty((m, n), dtype=cp.float32)
+        out = raw_kernels.empty(cp, (m, n), cp.float32)
     if m == 0 or n == 0:
         out.fill(-numpy.inf)
         return out
@@ -154,17 +154,23 @@ _PLANS: dict[Any, Any] = {}
 
 
 def paged_plan(batch, next_n, heads, dim, width, block_size, path=None):
-    """(path, plan) of a decode shape on the current device, memoized; plan None when the
-    kernel does not cover it (see :func:`decode_plan`)."""
-    facts = raw_kernels.device_facts()
-    key = (facts.id, batch, next_n, heads, dim, width, block_size, path)
+    """(path, plan, kernel) of a decode shape on the current device, memoized: plan
+    and kernel None when the kernel does not cover it (see :func:`decode_plan`)."""
+    dev = raw_kernels.current_device()
+    key = (dev, batch, next_n, heads, dim, width, block_size, path)
     hit = _PLANS.get(key)
     if hit is None:
+        facts = raw_kernels.device_facts()
         path_ = _pick_path(path)
         stages = DECODE_STAGES if path_ == "wgmma" else MMA_STAGES
         plan = None if dim != D else decode_plan(batch, next_n, heads, width, block_size,
                                                  facts.sms, facts.smem_per_sm, stages)
-        hit = _PLANS[key] = (path_, plan)
+        fn = None
+        if plan is not None:
+            variant, nc, nch = plan[:3]
+            fn = _kernel(f"cps_paged_mqa_logits_{path_}_{variant}_s{stages}", PAGED_ARGS,
+                         smem_bytes(nch * nc, stages))
+        hit = _PLANS[key] = (path_, plan, fn)
     return hit
 
 
@@ -182,20 +188,19 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
     batch, next_n, heads, dim = q_codes.shape
     width = int(max_context_len)
     if out is None:
-        out = cp.empty((batch * next_n, width), dtype=cp.float32)
+        out = raw_kernels.empty(cp, (batch * next_n, width), cp.float32)
     if batch * next_n == 0 or width == 0:
         out.fill(-numpy.inf)
         return out
     if plan is None:
         plan = paged_plan(batch, next_n, heads, dim, width, cache.block_size, path)
-    path, plan = plan
+    path, plan, fn = plan
     variant, nc, nch, hp, stages, pt, pieces = plan
     if piece_tiles is not None:
         pt = max(1, min(int(piece_tiles), (BT_CAP - 1) * cache.block_size // TILE))
         tiles_w = -(-width // TILE)
         pieces = -(-tiles_w // pt)
     smem = smem_bytes(nch * nc, stages)
-    fn = _kernel(f"cps_paged_mqa_logits_{path}_{variant}_s{stages}", PAGED_ARGS, smem)
     context_lens = index_i32(cp, context_lens)
     block_table = index_i32(cp, block_table)
     lens_2d = int(context_lens.ndim == 2)

@@ -65,7 +65,25 @@ struct TkSmem {
     u32 tie_base;      // where its share of the threshold ties starts
     u32 take;          // its share of the ties (final round)
     u32 fin;           // this round decides the rest through the tie cursor
+    // Fused slot mapping (decode rows with a block table; pages == nullptr: write
+    // positions): the request's row of page ids, its length, log2 of the page size.
+    const int* pages;
+    int cols, shift;
 };
+
+// What a row writes for its in-window position pos: pos itself, or the global cache
+// slot of it, as cps_local_to_global_slots computes it (-1 for a position past the
+// table, a negative page id or a slot past int32). Read from shared memory at each
+// write so that the selection's registers stay as they are.
+__device__ __forceinline__ int tk_out(const TkSmem& s, int pos) {
+    const int* pages = s.pages;
+    if (pages == nullptr) return pos;
+    const int col = pos >> s.shift;
+    if (col >= s.cols) return -1;
+    const long long page = pages[col];
+    const long long slot = (page << s.shift) + (pos & ((1 << s.shift) - 1));
+    return page >= 0 && slot <= 0x7FFFFFFFll ? (int)slot : -1;
+}
 
 // Full order key: NaN -> 0 (lowest), -0 -> +0, else the usual sign flip.
 __device__ __forceinline__ u32 tk_key(float x) {
@@ -236,7 +254,8 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
                                         const int* __restrict__ row_starts,
                                         const int* __restrict__ row_ends,
                                         const int* __restrict__ ctx, int next_n, int mode,
-                                        int k, int* __restrict__ out) {
+                                        int k, int* __restrict__ out,
+                                        const int* __restrict__ table, int cols, int shift) {
     constexpr int NW = THREADS / 32;
     constexpr int BPT = TK_BINS / THREADS;      // histogram bins owned by a thread
     constexpr int TILE = THREADS * VEC;         // float4 units a tile
@@ -266,9 +285,17 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     en = min(max(en, 0ll), width);
     st = min(max(st, 0ll), en);
     int* __restrict__ orow = out + (long long)row * k;
+    if (tid == 0) {
+        s.pages = table != nullptr && mode != 0 ? table + (long long)(row / next_n) * cols
+                                                : nullptr;
+        s.cols = cols;
+        s.shift = shift;
+    }
+    __syncthreads();
     if (en - st <= (long long)k) {                // short row: 0..n-1, then -1
         const int n = (int)(en - st);
-        for (int j = rank * THREADS + tid; j < k; j += C * THREADS) orow[j] = j < n ? j : -1;
+        for (int j = rank * THREADS + tid; j < k; j += C * THREADS)
+            orow[j] = j < n ? tk_out(s, j) : -1;
         return;                                   // uniform over the cluster
     }
     const int n = (int)(en - st);
@@ -378,13 +405,13 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
 
     auto emit_above = [&](int i) {
         const u32 p = s.above_base + atomicAdd(&s.cursor, 1u);
-        if (p < (u32)k) orow[p] = i;
+        if (p < (u32)k) orow[p] = tk_out(s, i);
     };
     auto emit_tie = [&](int i) {
         const u32 p = atomicAdd(&s.tie_cursor, 1u);
         if (p < s.take) {
             const u32 q2 = s.tie_base + p;
-            if (q2 < (u32)k) orow[q2] = i;
+            if (q2 < (u32)k) orow[q2] = tk_out(s, i);
         }
     };
     auto gather = [&](int gb, u32 key, int i) {          // into every rank's buffer gb
@@ -405,7 +432,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             cnt = __reduce_add_sync(0xffffffffu, cnt);
             if (lane == 0 && cnt < need) {
                 const u32 p = base + cnt;
-                if (p < (u32)k) orow[p] = (int)~(u32)me;
+                if (p < (u32)k) orow[p] = tk_out(s, (int)~(u32)me);
             }
         }
     };
@@ -431,7 +458,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             // (ballot + popc) variant measured ~20% slower on prefill rows.
             if (valid && c > B0) {
                 const u32 p = above_base + atomicAdd(&s.cursor, 1u);
-                if (p < (u32)k) orow[p] = i;
+                if (p < (u32)k) orow[p] = tk_out(s, i);
             }
             if (valid && c == B0) {
                 if (fin) {
@@ -533,16 +560,18 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
 // One entry point per configuration. mode 0: windows [row_starts, row_ends);
 // mode 1: decode, row_starts 0, row (b, j) ends at L_b - next_n + j + 1 with
 // context_lens [B]; mode 2: context_lens [B, next_n] gives each row's end.
-// Unused pointer arguments may be any device array. Grid: rows * C CTAs,
-// C consecutive CTAs a row (a cluster).
+// Unused pointer arguments may be any device array. block_table (decode modes
+// only; NULL otherwise) makes the rows global cache slots (tk_out). Grid:
+// rows * C CTAs, C consecutive CTAs a row (a cluster).
 #define TK_KERNEL(THREADS, VEC, C, MINB, SUFFIX, ATTR)                                    \
     extern "C" __global__ void ATTR __launch_bounds__(THREADS, MINB)                      \
     cps_topk_##SUFFIX(const float* __restrict__ logits, long long width,                  \
                       const int* __restrict__ row_starts, const int* __restrict__ row_ends, \
                       const int* __restrict__ context_lens, int next_n, int mode, int k,  \
-                      int* __restrict__ out) {                                            \
+                      int* __restrict__ out, const int* __restrict__ block_table,         \
+                      int bt_cols, int bs_shift) {                                        \
         tk_body<THREADS, VEC, C>(logits, width, row_starts, row_ends, context_lens,       \
-                                 next_n, mode, k, out);                                   \
+                                 next_n, mode, k, out, block_table, bt_cols, bs_shift);   \
     }
 
 TK_KERNEL(512, 4, 1, 2, c1, )

@@ -12,6 +12,8 @@ memory. The choice depends only on the shapes (rows, width) and the device's
 SM count, never on values. ``benchmarks/bench_topk.py`` times every variant.
 """
 
+from typing import Any
+
 from cpsparse import raw_kernels
 from cpsparse.paging import INT32_MAX
 from cpsparse.raw_kernels import index_i32
@@ -26,8 +28,8 @@ MIN_SLICE = 4096           # a CTA's share of a row is at least this many values
 
 MODE_ROWS, MODE_DECODE, MODE_DECODE_2D = 0, 1, 2
 # cps_topk_* parameters: logits, width, row_starts, row_ends, context_lens, next_n, mode,
-# k, out (raw_kernels.Kernel letters).
-ARGS = "P q PPP i i i P"
+# k, out, block_table, bt_cols, bs_shift (raw_kernels.Kernel letters).
+ARGS = "P q PPP i i i P P ii"
 
 raw_kernels.register_module(
     "topk", ["common.cuh", "topk.cu"], options=("-default-device",),
@@ -35,7 +37,7 @@ raw_kernels.register_module(
     needs="thread-block clusters and distributed shared memory")
 
 
-def _sm_count(cp):
+def _sm_count():
     return raw_kernels.device_facts().sms
 
 
@@ -51,29 +53,54 @@ def choose_cluster(rows, width, sms):
     return c
 
 
+_PLANS: dict[Any, Any] = {}
+
+
+def _plan(rows, width, cluster, variant):
+    """(kernel, CTAs per row, threads) of a launch shape on the current device, memoized."""
+    key = (raw_kernels.current_device(), rows, width, cluster, variant)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if variant is None:
+            if cluster is None:
+                cluster = choose_cluster(rows, width, _sm_count())
+            if cluster not in DEFAULT_VARIANT:
+                raise ValueError(f"Invalid cluster: expected one of {CLUSTERS}, got {cluster}")
+            variant = DEFAULT_VARIANT[cluster]
+            if cluster == 1 and width <= SHORT_WIDTH:
+                variant = "c1_t256"          # short rows: more, smaller CTAs an SM
+        cluster, threads = VARIANTS[variant]
+        if len(_PLANS) > 1024:
+            _PLANS.clear()
+        plan = _PLANS[key] = (raw_kernels.kernel("topk", f"cps_topk_{variant}", ARGS),
+                              cluster, threads)
+    return plan
+
+
 def _launch(cp, logits, row_starts, row_ends, context_lens, next_n, mode, k, out, cluster,
-            variant=None):
+            variant=None, block_table=None, block_size=0):
     rows, width = logits.shape
     if rows == 0 or k == 0:
         return out
     if width > INT32_MAX or k > INT32_MAX:
         raise ValueError(f"Invalid shape of logits: rows and k must stay below 2**31, got "
                          f"width={width}, k={k}")
-    if variant is None:
-        if cluster is None:
-            cluster = choose_cluster(rows, width, _sm_count(cp))
-        if cluster not in DEFAULT_VARIANT:
-            raise ValueError(f"Invalid cluster: expected one of {CLUSTERS}, got {cluster}")
-        variant = DEFAULT_VARIANT[cluster]
-        if cluster == 1 and width <= SHORT_WIDTH:
-            variant = "c1_t256"          # short rows: more, smaller CTAs an SM
-    cluster, threads = VARIANTS[variant]
-    row_starts, row_ends = index_i32(cp, row_starts), index_i32(cp, row_ends)
-    context_lens = index_i32(cp, context_lens)
-    fn = raw_kernels.kernel("topk", f"cps_topk_{variant}", ARGS)
+    fn, cluster, threads = _plan(rows, width, cluster, variant)
+    if block_table is None:
+        table, cols, shift = None, 0, 0
+    else:
+        table, cols = index_i32(cp, block_table), block_table.shape[1]
+        shift = int(block_size).bit_length() - 1
     fn((rows * cluster,), (threads,),
-       (logits, width, row_starts, row_ends, context_lens, next_n, mode, k, out))
+       (logits, width, index_i32(cp, row_starts), index_i32(cp, row_ends),
+        index_i32(cp, context_lens), next_n, mode, k, out, table, cols, shift))
     return out
+
+
+def supports_slots(block_size):
+    """True when the decode kernel can map positions to slots itself (a power-of-two
+    page size); the op maps them with a second launch otherwise."""
+    return block_size > 0 and block_size & (block_size - 1) == 0
 
 
 def topk_per_row(cp, logits, row_starts, row_ends, k, out, *, cluster=None, variant=None):
@@ -84,16 +111,20 @@ def topk_per_row(cp, logits, row_starts, row_ends, k, out, *, cluster=None, vari
     benchmarks); None picks by shape.
     """
     if out is None:
-        out = cp.empty((logits.shape[0], k), dtype=cp.int32)
+        out = raw_kernels.empty(cp, (logits.shape[0], k), cp.int32)
     return _launch(cp, logits, row_starts, row_ends, row_starts, 1, MODE_ROWS, k, out, cluster,
                    variant)
 
 
 def topk_per_row_decode(cp, logits, context_lens, next_n, k, out, *, cluster=None,
-                        variant=None):
-    """Decode rows: start 0, end from ``context_lens`` [B] or [B, next_n] (in the kernel)."""
+                        variant=None, block_table=None, block_size=0):
+    """Decode rows: start 0, end from ``context_lens`` [B] or [B, next_n] (in the kernel).
+
+    With ``block_table`` [B, cols] (and a :func:`supports_slots` ``block_size``) the
+    rows are global cache slots of request ``row // next_n`` instead of positions.
+    """
     if out is None:
-        out = cp.empty((logits.shape[0], k), dtype=cp.int32)
+        out = raw_kernels.empty(cp, (logits.shape[0], k), cp.int32)
     mode = MODE_DECODE_2D if context_lens.ndim == 2 else MODE_DECODE
     return _launch(cp, logits, context_lens, context_lens, context_lens, next_n, mode, k, out,
-                   cluster, variant)
+                   cluster, variant, block_table, block_size)
