@@ -64,6 +64,9 @@ def workloads():
                     (1, 32768, 1)):
         out.append(dict(name=f"indexer_decode_B{b}_ctx{c}_n{n}", kind="indexer_decode",
                         peer="deepgemm", B=b, ctx=c, next_n=n))
+    for b, c, n in ((64, 32768, 1), (64, 32768, 2), (4, 131072, 1)):
+        out.append(dict(name=f"indexer_decode_B{b}_ctx{c}_n{n}_mxfp4", kind="indexer_decode",
+                        peer="deepgemm", B=b, ctx=c, next_n=n, keys="mxfp4"))
     shapes = [("prefill", 8192, 8192)] + [("decode", r, c) for r, c in
                                           ((64, 32768), (64, 131072), (4, 131072), (1, 131072))]
     for variant in TOPK_VARIANTS:
@@ -171,6 +174,44 @@ def _fill_indexer(cp, data, chunk=4096):
         data[p0:p1, :BS * D] = _codes(cp, (p1 - p0, BS * D))
         sc = _ue8m0_scales(cp, (p1 - p0, BS))
         data[p0:p1, BS * D:] = sc.view(cp.uint8)
+
+
+# e4m3 bytes of the 8 e2m1 magnitudes (0, .5, 1, 1.5, 2, 3, 4, 6)
+_E2M1_AS_E4M3 = (0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C)
+
+
+def _fill_indexer_mxfp4(cp, fp4_data, fp8_data, chunk=4096):
+    """The same random keys as MXFP4 pages and as fp8 pages: random e2m1 codes, one
+    ue8m0 exponent a key (in [2**-10, 2**-6], repeated over its 4 groups), so the fp8
+    key (code as e4m3, float32 scale 2**e) is exactly the MXFP4 key and both sides'
+    logits can agree to the rounding of their fp32 sums."""
+    lut = cp.asarray(_E2M1_AS_E4M3, dtype=cp.uint8)
+    for p0 in range(0, fp4_data.shape[0], chunk):
+        p1 = min(fp4_data.shape[0], p0 + chunk)
+        n = (p1 - p0) * BS
+        packed = cp.random.randint(0, 256, size=(n, D // 2), dtype=cp.int32).astype(cp.uint8)
+        expo = cp.random.randint(117, 122, size=n, dtype=cp.int32).astype(cp.uint8)
+        fp4_data[p0:p1, :BS * D // 2] = packed.reshape(p1 - p0, -1)
+        fp4_data[p0:p1, BS * D // 2:] = cp.repeat(expo, 4).reshape(p1 - p0, -1)
+        nib = cp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(n, D)
+        codes = lut[(nib & 7).astype(cp.int32)] | ((nib & 8) << 4).astype(cp.uint8)
+        codes = cp.where((nib & 7) == 0, cp.uint8(0), codes)       # no -0: e2m1 has none
+        fp8_data[p0:p1, :BS * D] = codes.reshape(p1 - p0, -1)
+        scale = cp.ldexp(cp.ones(n, cp.float32), expo.astype(cp.int32) - 127)
+        fp8_data[p0:p1, BS * D:] = scale.astype(cp.float32).view(cp.uint8).reshape(p1 - p0, -1)
+
+
+def _copy_tbs(s):
+    """Device-to-device copy bandwidth of this run (TB/s, read + write bytes): the
+    ceiling a memory-bound kernel is held to. Measured once per run."""
+    if getattr(s, "copy_tbs", None) is None:
+        cp = s.cp
+        a = cp.empty(1 << 31, cp.uint8)
+        b = cp.empty_like(a)
+        t = timing.time_cuda(lambda: b.__setitem__(Ellipsis, a), warmup=3, iters=20)
+        s.copy_tbs = 2 * a.nbytes / (t["median_ms"] * 1e-3) / 1e12
+        del a, b
+    return s.copy_tbs
 
 
 def _fill_mla(cp, records, chunk=1 << 19):
@@ -497,10 +538,16 @@ def _deepgemm_paged(s, dg, cache, lens, ctx):
 def run_indexer_decode(s, w):
     cp, cps, torch = s.cp, s.cps, s.torch
     b, ctx, nn = w["B"], w["ctx"], w["next_n"]
+    fp4 = w.get("keys") == "mxfp4"
     pages = b * (ctx // BS)
     nsets = 3 if pages * BS * (D + 4) < (256 << 20) else 1    # rotate past the L2
-    cache = cps.IndexerKCache(nsets * pages, BS, D, xp=cp)
-    _fill_indexer(cp, cache.data)
+    cache = cps.IndexerKCache(nsets * pages, BS, D, xp=cp)    # fp8: the peer's keys
+    ours_cache = cache
+    if fp4:
+        ours_cache = cps.IndexerKCache(nsets * pages, BS, D, xp=cp, dtype="mxfp4")
+        _fill_indexer_mxfp4(cp, ours_cache.data, cache.data)
+    else:
+        _fill_indexer(cp, cache.data)
     perm = cp.random.permutation(nsets * pages).astype(cp.int32)
     lens = _decode_lens(cp, b, ctx, nn)
     sets = [(_codes(cp, (b, nn, H_IDX, D)),
@@ -514,11 +561,22 @@ def run_indexer_decode(s, w):
         visible = cp.arange(ctx, dtype=cp.int32)[None, :] < lens.reshape(-1, 1)
         return (_deepgemm_paged(s, dg, cache, lens, ctx), tsets,
                 lambda o, p: _logits_check(cp, o, _t2c(s, p), visible))
-    got = _side_by_side(s, lambda q, wt, tab: cps.paged_mqa_logits(q, cache, wt, lens, tab, ctx),
+    got = _side_by_side(s, lambda q, wt, tab: cps.paged_mqa_logits(q, ours_cache, wt, lens, tab,
+                                                                   ctx),
                         sets, 10, [b * nn * ctx * 4], ["deep_gemm"], make_peer)
-    shapes = dict(B=b, ctx=ctx, next_n=nn, H=H_IDX, D=D, page_sets=nsets)
-    return [make_row(w["name"], w["peer"], shapes,
-                     nbytes=b * ctx * (D + 4) + b * nn * ctx * 4, **got)]
+    shapes = dict(B=b, ctx=ctx, next_n=nn, H=H_IDX, D=D, page_sets=nsets,
+                  keys="mxfp4" if fp4 else "fp8")
+    key_bytes = (D // 2 + 4) if fp4 else (D + 4)
+    if fp4:
+        got["notes"].append("cpsparse reads MXFP4 pages (68 bytes a key), the peer "
+                            "DeepGEMM's fp8 kernel the same keys as fp8 pages (132 bytes; "
+                            "DeepGEMM's MXFP4 kernel is SM100 only); queries fp8 on both")
+    row = make_row(w["name"], w["peer"], shapes,
+                   nbytes=b * ctx * key_bytes + b * nn * ctx * 4, **got)
+    row["copy_tbs"] = _copy_tbs(s)
+    if row.get("cpsparse_kernel_tbs"):
+        row["cpsparse_fraction_of_copy"] = row["cpsparse_kernel_tbs"] / row["copy_tbs"]
+    return [row]
 
 
 def _topk_logits(cp, mode, m, width, variant):

@@ -18,14 +18,14 @@ from cpsparse._backend import get_array_module, gpu_available, set_kernels_enabl
 from cpsparse._validation import set_device_value_checks
 from cpsparse.attention import (dense_mla_attention, local_to_global_slots,
                                 softmax_scale, sparse_mla_attention)
-from cpsparse.cache import IndexerKCache, MLAKVCache
+from cpsparse.cache import IndexerKCache, MLAKVCache, Model1KVCache
 from cpsparse.fp8 import dequantize_fp8, quantize_fp8
 from cpsparse.raw_kernels import precompile
 from cpsparse.indexer import (fold_weights, hadamard_rotate, mqa_logits, paged_mqa_logits,
                               topk_per_row, topk_per_row_decode)
 
 __all__ = [
-    "quantize_fp8", "dequantize_fp8", "IndexerKCache", "MLAKVCache",
+    "quantize_fp8", "dequantize_fp8", "IndexerKCache", "MLAKVCache", "Model1KVCache",
     "mqa_logits", "paged_mqa_logits", "topk_per_row", "topk_per_row_decode",
     "fold_weights", "hadamard_rotate",
     "sparse_mla_attention", "dense_mla_attention", "local_to_global_slots", "softmax_scale",

@@ -20,6 +20,7 @@ from cpsparse.cache import MLAKVCache
 from cpsparse.raw_kernels import attention as _katt
 from cpsparse.reference import attention as _ref
 from cpsparse.reference import cache as _cache_ref
+from cpsparse.reference import context_parallel as _cp_ref
 
 if TYPE_CHECKING:
     from cpsparse._typing import Array, FloatLike, IntLike
@@ -76,7 +77,7 @@ def _kv_source(kv_cache, dqk, d_v):
         if kv_cache.head_dim != dqk:
             raise ValueError(f"Invalid kv_cache: expected kv_lora_rank + rope_dim = {dqk} "
                              f"(the last dimension of q), got {kv_cache.head_dim}")
-        return kv_cache, kv_cache.kv_lora_rank if d_v is None else d_v
+        return kv_cache, kv_cache.value_dim if d_v is None else d_v
     V.check_array("kv_cache", kv_cache, contiguous=True)
     if str(kv_cache.dtype) in V.CODE_DTYPES:
         # A raw fp8_ds_mla array: infer L from D = L + R and T = L + L/32 + 2R.
@@ -118,8 +119,11 @@ def _check_scale(sm_scale):
 
 
 def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
-                         sm_scale: FloatLike, *, d_v: IntLike | None = None
-                         ) -> tuple[Array, Array]:
+                         sm_scale: FloatLike, *, d_v: IntLike | None = None,
+                         attn_sink: Array | None = None, topk_length: Array | None = None,
+                         extra_kv_cache: MLAKVCache | Array | None = None,
+                         extra_indices: Array | None = None,
+                         extra_topk_length: Array | None = None) -> tuple[Array, Array]:
     """Attention of each query token over the key rows its top-k selected.
 
     Parameters
@@ -128,8 +132,10 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
         Absorbed queries (D = 576 for DeepSeek-V3.2).
     kv_cache : MLAKVCache, uint8 [num_blocks, block_size, token_bytes] or float [S, D]
         The paged fp8_ds_mla cache (dequantized on the fly; FlashMLA's
-        ``[num_blocks, block_size, 1, 656]`` view is accepted), or a dense latent
-        workspace (e.g. bf16 rows gathered for prefill).
+        ``[num_blocks, block_size, 1, 656]`` view is accepted), DeepSeek-V4's
+        MODEL1 cache (an ``MLAKVCache`` of ``layout="model1"``, D = 512; the
+        NumPy reference reads it, CuPy inputs fall back to it with a warning),
+        or a dense latent workspace (e.g. bf16 rows gathered for prefill).
     indices : int32 or int64 [T, topk] or [T, 1, topk]
         Global slots (``page * block_size + offset``); -1 is masked. A slot
         listed twice counts twice. With value checks off (or under CUDA-graph
@@ -140,7 +146,24 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
         See :func:`softmax_scale`.
     d_v : int, optional
         Value width: the first d_v columns of a key row. Default: the cache's
-        kv_lora_rank, or ``D - 64`` for a dense workspace.
+        ``value_dim`` (kv_lora_rank; 512 for MODEL1), or ``D - 64`` for a dense
+        workspace.
+    attn_sink : float32 [H], optional
+        FlashMLA's attention sink: one more logit per head with a zero value,
+        in the softmax's denominator only. ``out`` is scaled by
+        ``exp(lse) / (exp(lse) + exp(attn_sink))``; ``lse`` is not changed.
+        ``+inf`` makes the head's output 0, ``-inf`` has no effect.
+    topk_length : int32 or int64 [T], optional
+        Row t attends to its first ``topk_length[t]`` indices only (the rest
+        count as -1, never read); 0 attends to none, a length past topk to all.
+    extra_kv_cache : MLAKVCache or array, optional
+        A second key source in any form ``kv_cache`` takes (e.g. DeepSeek-V4's
+        sliding-window cache), attended in the same softmax: ``out`` and
+        ``lse`` are those of one softmax over both index lists.
+    extra_indices : int32 or int64 [T, extra_topk] or [T, 1, extra_topk]
+        Slots of ``extra_kv_cache`` (given with it, same masking rules).
+    extra_topk_length : int32 or int64 [T], optional
+        ``topk_length`` of ``extra_indices``.
 
     Returns
     -------
@@ -161,9 +184,27 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
     array([0.5, 0. , 0.5, 0. ], dtype=float32)
     >>> np.round(lse[0], 4)                                 # log(2)
     array([0.6931, 0.6931], dtype=float32)
+
+    A sink logit equal to the row's lse halves the output; ``topk_length``
+    drops the tail of a row:
+
+    >>> out, _ = sparse_mla_attention(q, kv, np.array([[0, 2, -1]], np.int32), 1.0, d_v=4,
+    ...                               attn_sink=np.log(np.full(2, 2, np.float32)))
+    >>> out[0, 0]
+    array([0.25, 0.  , 0.25, 0.  ], dtype=float32)
+    >>> out, lse = sparse_mla_attention(q, kv, np.array([[0, 2, -1]], np.int32), 1.0,
+    ...                                 d_v=4, topk_length=np.array([1]))
+    >>> out[0, 0], lse[0]
+    (array([1., 0., 0., 0.], dtype=float32), array([0., 0.], dtype=float32))
     """
+    if attn_sink is not None or topk_length is not None or extra_kv_cache is not None \
+            or extra_indices is not None or extra_topk_length is not None:
+        return _sparse_with_extras(q, kv_cache, indices, sm_scale, d_v, attn_sink,
+                                   topk_length, extra_kv_cache, extra_indices,
+                                   extra_topk_length)
     if isinstance(kv_cache, MLAKVCache):
-        data, wrapped = kv_cache.data, (kv_cache.kv_lora_rank, kv_cache.rope_dim)
+        data, wrapped = kv_cache.data, (type(kv_cache), kv_cache.kv_lora_rank,
+                                        kv_cache.rope_dim)
     else:
         data, wrapped = kv_cache, None
     key = V.layouts(q, indices, data)
@@ -198,6 +239,89 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
 
 
 _SPARSE_CALLS = V.CallMemo("sparse_mla_attention")
+
+
+def _check_sparse_source(xp, q, kv_cache, indices, d_v, names):
+    """(key rows, their decoder or None, [T, topk] indices, d_v) of one key source,
+    checked (``names``: the argument names of the cache and its indices)."""
+    tokens, _, dqk = q.shape
+    source, d_v = _kv_source(kv_cache, dqk, d_v)
+    d_v = _check_d_v(d_v, dqk)
+    indices = V.squeeze_axis(names[1], indices, 1, 3)        # FlashMLA's [T, 1, topk]
+    V.check_index(names[1], indices, ndim=2, shape=(tokens, None),
+                  shape_desc="[T, topk] or [T, 1, topk]")
+    if isinstance(source, MLAKVCache):
+        rows, decode = source.records(), source.decode_records
+    else:
+        rows, decode = source, None
+    V.check_slots(xp, indices, rows.shape[0], name=names[1])
+    return rows, decode, indices, d_v
+
+
+def _first(xp, indices, lengths):
+    """``indices`` with the entries of row t past ``lengths[t]`` set to -1."""
+    if lengths is None:
+        return indices
+    keep = xp.arange(indices.shape[1])[None, :] < lengths.astype(xp.int64)[:, None]
+    return xp.where(keep, indices, -1).astype(indices.dtype)
+
+
+def _check_lengths(xp, name, lengths, tokens):
+    if lengths is None:
+        return
+    V.check_index(name, lengths, shape=(tokens,), shape_desc="[T]")
+    if V.value_checks_enabled(xp) and tokens and int(lengths.min()) < 0:
+        raise ValueError(f"Invalid {name}: expected values >= 0, got {int(lengths.min())}")
+
+
+def _sparse_with_extras(q, kv_cache, indices, sm_scale, d_v, attn_sink, topk_length,
+                        extra_kv_cache, extra_indices, extra_topk_length):
+    """:func:`sparse_mla_attention` with FlashMLA's extras: each key source through
+    the core (kernels or reference), merged by lse into one softmax, then the sink.
+
+    The composition is exact (a softmax over two disjoint index lists is the lse
+    merge of the two), and costs a launch or two more than a fused kernel would."""
+    if (extra_kv_cache is None) != (extra_indices is None):
+        raise ValueError("Invalid extra_kv_cache: expected extra_kv_cache and "
+                         "extra_indices together, got only one of them")
+    if extra_topk_length is not None and extra_indices is None:
+        raise ValueError("Invalid extra_topk_length: expected extra_indices with it")
+    xp = _backend.get_array_module(
+        q=q, indices=indices, attn_sink=attn_sink, topk_length=topk_length,
+        extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+        kv_cache=kv_cache.data if isinstance(kv_cache, MLAKVCache) else kv_cache,
+        extra_kv_cache=extra_kv_cache.data if isinstance(extra_kv_cache, MLAKVCache)
+        else extra_kv_cache)
+    tokens, heads, dqk = _check_q(q)
+    rows, decode, indices, d_v = _check_sparse_source(xp, q, kv_cache, indices, d_v,
+                                                      ("kv_cache", "indices"))
+    sm_scale = _check_scale(sm_scale)
+    _check_lengths(xp, "topk_length", topk_length, tokens)
+    if attn_sink is not None:
+        V.check_array("attn_sink", attn_sink, dtype="float32", shape=(heads,),
+                      shape_desc="[H]")
+    parts = [(rows, decode, _first(xp, indices, topk_length))]
+    if extra_kv_cache is not None:
+        e_rows, e_decode, e_indices, _ = _check_sparse_source(
+            xp, q, extra_kv_cache, extra_indices, d_v, ("extra_kv_cache", "extra_indices"))
+        _check_lengths(xp, "extra_topk_length", extra_topk_length, tokens)
+        parts.append((e_rows, e_decode, _first(xp, e_indices, extra_topk_length)))
+    results = [sparse_mla_attention_core(xp, q, r, dec, idx, sm_scale, d_v)
+               for r, dec, idx in parts]
+    if len(results) == 1:
+        out, lse = results[0]
+    else:
+        out, lse = _cp_ref.merge_attention(xp.stack([o for o, _ in results]),
+                                           xp.stack([lse for _, lse in results]))
+    if attn_sink is not None:
+        # exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + exp(sink - lse)); an empty row
+        # (lse -inf) keeps out = 0, a +inf sink gives 0, a -inf sink 1.
+        with numpy.errstate(over="ignore", invalid="ignore"):
+            factor = 1.0 / (1.0 + xp.exp(attn_sink.astype(xp.float64)[None, :]
+                                         - lse.astype(xp.float64)))
+        factor = xp.where(lse == -xp.inf, 0.0, factor)
+        out = out * factor[..., None]
+    return out.astype(xp.float32), lse.astype(xp.float32)
 
 
 def sparse_mla_attention_core(xp, q, rows, decode, indices, sm_scale, d_v):

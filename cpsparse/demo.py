@@ -14,8 +14,9 @@ routes, tokens and time.
 
 Sizes follow the config and the backend: ``--config v32`` on NumPy (the
 float64 reference on the CPU) runs 2 layers and short requests, except the
-one long prefill of step 2, in a few minutes; on CuPy it runs the full-size
-batches. Every size flag overrides its default; ``--num-blocks`` defaults to
+one long prefill of step 2, in a few minutes (``--config glm5``: 4 layers, as
+GLM-5.2's index sharing first skips the indexer at layer 3); on CuPy it runs
+the full-size batches. Every size flag overrides its default; ``--num-blocks`` defaults to
 the cache pages the run needs.
 """
 
@@ -50,8 +51,18 @@ class DemoError(Exception):
     """A user error found before (or while) running: reported as one line."""
 
 
+CONFIGS = ("small", "v32", "glm5")
+
+
 def _config(name):
-    return MLAConfig.small() if name == "small" else MLAConfig()
+    """The layer shapes of a demo config. small and v32 share every other layer's
+    top-k (index_topk_freq 2, to show index sharing); glm5 runs GLM-5.2's own
+    schedule (freq 4, offset 3: layer 3 of 4 shares) and its interleaved
+    indexer RoPE."""
+    if name == "glm5":
+        return MLAConfig.glm5()
+    return MLAConfig.small(index_topk_freq=2) if name == "small" else MLAConfig(
+        index_topk_freq=2)
 
 
 def resolve_backend(name):
@@ -92,6 +103,9 @@ def default_sizes(config_name, backend):
     topk = _config(config_name).index_topk
     if config_name == "v32" and backend == "numpy":
         return dict(layers=2, decodes=2, context=256, prefill_len=topk + 64, short_len=256,
+                    mtp_requests=2, mtp_len=128, mtp_steps=3)
+    if config_name == "glm5" and backend == "numpy":     # 4 layers: the 4th shares
+        return dict(layers=4, decodes=2, context=256, prefill_len=topk + 64, short_len=256,
                     mtp_requests=2, mtp_len=128, mtp_steps=3)
     return dict(layers=4, decodes=4, context=3 * topk, prefill_len=2 * topk + 22,
                 short_len=topk - 16, mtp_requests=2, mtp_len=topk + 8, mtp_steps=3)
@@ -205,7 +219,7 @@ def estimate_host_bytes(plan):
     workspaces.
     """
     c = plan.config
-    shared = plan.layers // 2              # index_share_every=2: odd layers own no indexer
+    shared = sum(not c.layer_scores(i) for i in range(plan.layers))   # own no indexer
     weights = 4 * (_weight_elems(c, True) * (plan.layers - shared + 1)
                    + _weight_elems(c, False) * shared)
     largest = max(c.num_heads * c.v_head_dim * c.hidden_size,
@@ -352,7 +366,7 @@ class Demo:
         self.xp, self.config = xp, config
         self.rng = numpy.random.default_rng(seed)
         self.stack = DeepseekV32AttentionStack(
-            config, plan.layers, index_share_every=2, num_blocks=plan.num_blocks,
+            config, plan.layers, num_blocks=plan.num_blocks,
             max_num_tokens=plan.stack_rows, platform=platform, seed=seed, xp=xp)
         self.mtp = DeepseekV32MLA(config, "mtp.0.attn", is_mtp_layer=True, platform=platform,
                                   seed=seed + 100, xp=xp)
@@ -393,7 +407,7 @@ class Demo:
         for layer in layers:
             a = layer.attention_stats
             if layer.indexer is None:
-                idx = "indexer: shares the rows of the layer before"
+                idx = "indexer: shares the last scoring layer's rows"
             else:
                 s = layer.indexer.stats
                 idx = (f"indexer: {s.calls} call(s), {s.scored_calls} scored, "
@@ -503,9 +517,9 @@ def build_parser():
     _cli.add_version(parser)
     parser.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto",
                         help="array backend (auto: CuPy when a GPU is there)")
-    parser.add_argument("--config", choices=("small", "v32"), default="small",
-                        help="layer shapes: small preset or DeepSeek-V3.2 (minutes on the "
-                             "CPU)")
+    parser.add_argument("--config", choices=CONFIGS, default="small",
+                        help="layer shapes: small preset, DeepSeek-V3.2 or GLM-5.2 "
+                             "(minutes on the CPU)")
     parser.add_argument("--platform", choices=("cuda", "detected", "cpu"), default="cuda",
                         help="what the construction gate is told (default: CUDA, so that "
                              "the short-prefill skip is exercised on any backend)")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy
+
 from cpsparse import _backend
 from cpsparse import _validation as V
 from cpsparse import attention as _attention
@@ -47,7 +49,10 @@ def __getattr__(name: str) -> Any:
 # validates a whole batch once and calls them directly.
 
 def mqa_logits_core(xp, q_codes, k_codes, k_scales, weights, ks, ke):
-    if _backend.use_kernels(xp):
+    if _backend.use_kernels(xp) and k_scales.dtype == xp.uint8:
+        _backend.warn_fallback("mqa_logits", tuple(q_codes.shape) + ("mxfp4",),
+                               "MXFP4 keys")
+    elif _backend.use_kernels(xp):
         if _kindexer.supports_prefill(q_codes, k_codes):
             return _kindexer.mqa_logits(xp, q_codes, k_codes, k_scales, weights, ks, ke)
         _backend.warn_fallback("mqa_logits", tuple(q_codes.shape),
@@ -60,14 +65,16 @@ def paged_mqa_logits_core(xp, q_codes, cache, weights, context_lens, block_table
     if _backend.use_kernels(xp):
         batch, next_n, heads, dim = q_codes.shape
         planned = _kindexer.paged_plan(batch, next_n, heads, dim, max_context_len,
-                                       cache.block_size)
+                                       cache.block_size, fp4=cache.dtype == "mxfp4")
         if _kindexer.supports_paged(q_codes, cache.data, planned[1]):
             return _kindexer.paged_mqa_logits(xp, q_codes, cache, weights, context_lens,
                                               block_table, max_context_len, plan=planned)
-        _backend.warn_fallback("paged_mqa_logits", tuple(q_codes.shape) + (cache.block_size,),
-                               "this head count / head_dim / page size / alignment")
+        _backend.warn_fallback("paged_mqa_logits",
+                               tuple(q_codes.shape) + (cache.block_size, cache.dtype),
+                               "this head count / head_dim / page size / alignment / key "
+                               "format (MXFP4: Hopper, pages of >= 64 keys)")
     return _ref.paged_mqa_logits(q_codes, cache.data, cache.block_size, weights, context_lens,
-                                 block_table, max_context_len)
+                                 block_table, max_context_len, cache.dtype)
 
 
 def topk_per_row_core(xp, logits, row_starts, row_ends, k, out):
@@ -177,10 +184,13 @@ def mqa_logits(q_codes: Array, k_codes: Array, k_scales: Array, weights: Array, 
     q_codes : uint8 [M, H, D]
         e4m3 codes of the queries (one scale per (token, head), folded into
         ``weights``); on NumPy also ``ml_dtypes.float8_e4m3fn``.
-    k_codes : uint8 [N, D]
-        e4m3 codes of the keys, e.g. from :meth:`cpsparse.IndexerKCache.gather`.
-    k_scales : float32 [N] or [N, 1]
-        ``[N, 1]`` is what :func:`cpsparse.quantize_fp8` returns.
+    k_codes : uint8 [N, D], or [N, D / 2] for MXFP4 keys
+        e4m3 codes of the keys, e.g. from :meth:`cpsparse.IndexerKCache.gather`;
+        MXFP4 keys: packed e2m1 codes (what an ``IndexerKCache(dtype="mxfp4")``
+        gathers; the queries stay FP8).
+    k_scales : float32 [N] or [N, 1], or uint8 [N, D / 32] for MXFP4 keys
+        ``[N, 1]`` is what :func:`cpsparse.quantize_fp8` returns; uint8 scales are
+        the MXFP4 keys' ue8m0 bytes (one per 32 values) and make ``k_codes`` MXFP4.
     weights : float32 [M, H]
         Head weights with the query scales folded in (:func:`fold_weights`).
     ks, ke : int32 or int64 [M]
@@ -214,10 +224,22 @@ def mqa_logits(q_codes: Array, k_codes: Array, k_scales: Array, weights: Array, 
                                    weights=weights, ks=ks, ke=ke)
     q_codes = V.check_codes("q_codes", q_codes, ndim=3, shape_desc="[M, H, D]")
     m, heads, dim = q_codes.shape
-    k_codes = V.check_codes("k_codes", k_codes, ndim=2, shape=(None, dim), shape_desc="[N, D]")
-    n = k_codes.shape[0]
-    k_scales = V.squeeze_axis("k_scales", k_scales, 1, 2)     # quantize_fp8's [N, 1]
-    V.check_array("k_scales", k_scales, dtype="float32", shape=(n,), shape_desc="[N] or [N, 1]")
+    if getattr(k_scales, "dtype", None) == numpy.uint8:        # MXFP4 keys
+        if dim % 32:
+            raise ValueError(f"Invalid shape of q_codes: MXFP4 keys need D a multiple of "
+                             f"32, got {tuple(q_codes.shape)}")
+        V.check_array("k_codes", k_codes, ndim=2, dtype="uint8", shape=(None, dim // 2),
+                      shape_desc="[N, D / 2] (packed e2m1)")
+        V.check_array("k_scales", k_scales, ndim=2, shape=(k_codes.shape[0], dim // 32),
+                      shape_desc="[N, D / 32] (ue8m0 bytes)")
+        n = k_codes.shape[0]
+    else:
+        k_codes = V.check_codes("k_codes", k_codes, ndim=2, shape=(None, dim),
+                                shape_desc="[N, D]")
+        n = k_codes.shape[0]
+        k_scales = V.squeeze_axis("k_scales", k_scales, 1, 2)     # quantize_fp8's [N, 1]
+        V.check_array("k_scales", k_scales, dtype="float32", shape=(n,),
+                      shape_desc="[N] or [N, 1]")
     _check_heads(q_codes, weights, m)
     V.check_index("ks", ks, shape=(m,), shape_desc="[M]")
     V.check_index("ke", ke, shape=(m,), shape_desc="[M]")
@@ -302,7 +324,7 @@ def paged_mqa_logits(q_codes: Array, cache: IndexerKCache | Array, weights: Arra
     array([69, 70])
     """
     if isinstance(cache, IndexerKCache):
-        data, wrapped = cache.data, (cache.block_size, cache.head_dim)
+        data, wrapped = cache.data, (cache.block_size, cache.head_dim, cache.dtype)
     else:
         data, wrapped = cache, None
     key = V.layouts(q_codes, weights, context_lens, block_table, data)

@@ -101,6 +101,26 @@ class MLAConfig:
     index_hadamard : bool
         Rotate the indexer's q and k by the normalised Hadamard matrix before
         FP8 quantization (True in DeepSeek-V3.2).
+    index_cache_dtype : {"fp8", "mxfp4"}
+        Key format of the indexer cache (:class:`cpsparse.IndexerKCache`'s
+        ``dtype``): FP8 (132 bytes a key at D = 128) or MXFP4 (68 bytes; the
+        queries stay FP8).
+    indexer_rope_interleave : bool
+        RoPE layout of the indexer's q and k: False, NeoX halves (dims i and
+        i + R/2 rotate together; DeepSeek-V3.2), or True, interleaved pairs
+        (2i, 2i + 1; GLM-5.x). The MLA's own RoPE is interleaved in both.
+    index_topk_freq, index_skip_topk_offset : int
+        The index-sharing schedule of a stack of layers (IndexCache, vLLM's
+        names): layer ``i`` runs its own indexer when
+        ``max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0`` and
+        otherwise reads the rows of the last layer that did (see
+        :meth:`layer_scores`). The defaults (1, 1): every layer scores; freq n
+        with offset 1: layers 0, n, 2n, ...; GLM-5.2: freq 4, offset 3 (layers
+        0, 1, 2, 6, 10, ...).
+    index_topk_pattern : str or None
+        An explicit schedule instead: one letter a layer, ``"F"`` (scores) or
+        ``"S"`` (shares); it starts with ``"F"`` and covers every layer of a
+        stack.
 
     Attributes
     ----------
@@ -120,6 +140,11 @@ class MLAConfig:
     64
     >>> round(cfg.sm_scale, 6), round(MLAConfig(softmax_mscale=1.368888).sm_scale, 6)
     (0.072169, 0.135234)
+    >>> glm = MLAConfig.glm5()
+    >>> [glm.layer_scores(i) for i in range(8)]
+    [True, True, True, False, False, False, True, False]
+    >>> [MLAConfig(index_topk_pattern="FSSF").layer_scores(i) for i in range(4)]
+    [True, False, False, True]
     """
     hidden_size: int = 7168
     num_heads: int = 128
@@ -137,6 +162,39 @@ class MLAConfig:
     softmax_mscale: Optional[float] = None     # YaRN mscale; sm_scale *= mscale ** 2
     index_scale_fmt: Optional[str] = "ue8m0"
     index_hadamard: bool = True
+    index_cache_dtype: str = "fp8"
+    indexer_rope_interleave: bool = False
+    index_topk_freq: int = 1
+    index_skip_topk_offset: int = 1
+    index_topk_pattern: Optional[str] = None
+
+    @classmethod
+    def glm5(cls, **overrides):
+        """GLM-5.2's attention shapes on one rank (its Hugging Face config as vLLM
+        reads it): 64 MLA heads, ``qk_nope_head_dim`` 192, ``v_head_dim`` 256,
+        ``q_lora_rank`` 2048, 32 indexer heads with interleaved RoPE, top-k 2048,
+        and index sharing with freq 4, offset 3 (21 of its 78 layers score)."""
+        base: dict[str, Any] = dict(hidden_size=6144, num_heads=64, q_lora_rank=2048,
+                                    kv_lora_rank=512, qk_nope_head_dim=192,
+                                    qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32,
+                                    index_head_dim=128, index_topk=2048, rms_norm_eps=1e-5,
+                                    indexer_rope_interleave=True, index_topk_freq=4,
+                                    index_skip_topk_offset=3)
+        base.update(overrides)
+        return cls(**base)
+
+    def layer_scores(self, layer_id: int) -> bool:
+        """True when layer ``layer_id`` of a stack runs its own indexer; False when it
+        shares the rows of the last layer that scored (the schedule of
+        ``index_topk_pattern``, else of ``index_topk_freq`` and
+        ``index_skip_topk_offset``)."""
+        layer_id = V.check_nonnegative_int("layer_id", layer_id)
+        if self.index_topk_pattern is not None:
+            if layer_id >= len(self.index_topk_pattern):
+                raise ValueError(f"Invalid layer_id: index_topk_pattern has "
+                                 f"{len(self.index_topk_pattern)} layers, got {layer_id}")
+            return self.index_topk_pattern[layer_id] == "F"
+        return max(layer_id - self.index_skip_topk_offset + 1, 0) % self.index_topk_freq == 0
 
     @classmethod
     def small(cls, **overrides):
@@ -173,6 +231,27 @@ class MLAConfig:
         if self.index_hadamard and self.index_head_dim & (self.index_head_dim - 1):
             raise ValueError(f"Invalid MLAConfig.index_head_dim: the Hadamard rotation needs "
                              f"a power of two, got {self.index_head_dim}")
+        if self.index_cache_dtype not in ("fp8", "mxfp4"):
+            raise ValueError(f"Invalid MLAConfig.index_cache_dtype: expected 'fp8' or "
+                             f"'mxfp4', got {self.index_cache_dtype!r}")
+        if not isinstance(self.index_topk_freq, int) or isinstance(self.index_topk_freq, bool) \
+                or self.index_topk_freq <= 0:
+            raise ValueError(f"Invalid MLAConfig.index_topk_freq: expected a positive int, "
+                             f"got {self.index_topk_freq!r}")
+        if not isinstance(self.index_skip_topk_offset, int) or \
+                isinstance(self.index_skip_topk_offset, bool) or self.index_skip_topk_offset < 0:
+            raise ValueError(f"Invalid MLAConfig.index_skip_topk_offset: expected a "
+                             f"non-negative int, got {self.index_skip_topk_offset!r}")
+        pattern = self.index_topk_pattern
+        if pattern is not None and (not isinstance(pattern, str) or not pattern
+                                    or set(pattern) - {"F", "S"} or pattern[0] != "F"):
+            raise ValueError(f"Invalid MLAConfig.index_topk_pattern: expected a string of 'F' "
+                             f"(scores) and 'S' (shares) starting with 'F', got {pattern!r}")
+        if not self.layer_scores(0):
+            raise ValueError(f"Invalid MLAConfig.index_skip_topk_offset: layer 0 must score "
+                             f"(no earlier layer wrote rows to share), but freq "
+                             f"{self.index_topk_freq} with offset "
+                             f"{self.index_skip_topk_offset} makes it share")
 
 
 def init_weights(config, seed=0, with_indexer=True):
@@ -309,10 +388,12 @@ class _Indexer:
         t, r = x.shape[0], c.qk_rope_head_dim
         q = (q_c @ self.wq_b).reshape(t, c.index_n_heads, c.index_head_dim)
         k = _layer_norm(xp, x @ self.wk, self.k_norm_w, self.k_norm_b, 1e-6)
-        # RoPE on the first qk_rope_head_dim dims, NeoX (non-interleaved) layout.
-        q = xp.concatenate([_rope(xp, q[..., :r], positions, c.rope_theta, False),
+        # RoPE on the first qk_rope_head_dim dims, in the configured layout (NeoX
+        # halves for DeepSeek-V3.2, interleaved pairs for GLM).
+        inter = c.indexer_rope_interleave
+        q = xp.concatenate([_rope(xp, q[..., :r], positions, c.rope_theta, inter),
                             q[..., r:]], axis=-1)
-        k = xp.concatenate([_rope(xp, k[:, :r], positions, c.rope_theta, False), k[:, r:]],
+        k = xp.concatenate([_rope(xp, k[:, :r], positions, c.rope_theta, inter), k[:, r:]],
                            axis=-1)
         if c.index_hadamard:
             q, k = hadamard_rotate(q), hadamard_rotate(k)
@@ -436,7 +517,8 @@ class DeepseekV32MLA:
                                     c.qk_rope_head_dim, xp=xp)
         if self.indexer is not None:
             self.indexer_cache = IndexerKCache(num_blocks, c.block_size, c.index_head_dim,
-                                               xp=xp, scale_fmt=c.index_scale_fmt)
+                                               xp=xp, scale_fmt=c.index_scale_fmt,
+                                               dtype=c.index_cache_dtype)
         if topk_indices_buffer is None:
             if max_num_tokens is None:
                 raise ValueError("Invalid arguments: give max_num_tokens or a shared "
@@ -650,18 +732,17 @@ class DeepseekV32AttentionStack:
     """A stack of attention layers sharing one top-k buffer (what a model holds).
 
     Each layer is applied with a residual connection, ``x = x + layer(x)``.
-    ``index_share_every=n`` makes every layer whose index is not a multiple of
-    n an index-sharing layer (``skip_topk=True``: reads the rows of the last
-    layer that scored).
+    The config's index-sharing schedule (:meth:`MLAConfig.layer_scores`) decides
+    which layers own an indexer; the others are index-sharing layers
+    (``skip_topk=True``: they read the rows of the last layer that scored).
 
     Parameters
     ----------
     config : MLAConfig
-        Shapes of every layer.
+        Shapes of every layer, and the schedule (``index_topk_freq``,
+        ``index_skip_topk_offset`` or ``index_topk_pattern``).
     num_layers : int
         Layers in the stack, named ``f"{prefix}.{i}.attn"``.
-    index_share_every : int
-        Layer i scores (owns an indexer) when ``i % index_share_every == 0``.
     num_blocks : int
         Pages of each layer's caches.
     max_num_tokens : int
@@ -678,14 +759,21 @@ class DeepseekV32AttentionStack:
     Examples
     --------
     >>> from cpsparse.mla import DeepseekV32AttentionStack, MLAConfig
-    >>> stack = DeepseekV32AttentionStack(MLAConfig.small(), num_layers=3,
-    ...                                   index_share_every=2, num_blocks=4, max_num_tokens=32)
+    >>> stack = DeepseekV32AttentionStack(MLAConfig.small(index_topk_freq=2), num_layers=3,
+    ...                                   num_blocks=4, max_num_tokens=32)
     >>> [layer.indexer is None for layer in stack.layers]
     [False, True, False]
     """
 
-    def __init__(self, config, num_layers, *, index_share_every=1, num_blocks, max_num_tokens,
-                 platform=None, seed=0, xp=numpy, prefix="layers"):
+    def __init__(self, config, num_layers, *, num_blocks, max_num_tokens, platform=None,
+                 seed=0, xp=numpy, prefix="layers"):
+        if not isinstance(config, MLAConfig):
+            raise TypeError(f"Invalid config: expected MLAConfig, got {type(config).__qualname__}")
+        num_layers = V.check_positive_int("num_layers", num_layers)
+        pattern = config.index_topk_pattern
+        if pattern is not None and len(pattern) < num_layers:
+            raise ValueError(f"Invalid num_layers: index_topk_pattern {pattern!r} covers "
+                             f"{len(pattern)} layers, got {num_layers}")
         self.config = config
         self.xp = xp
         self.topk_indices_buffer = xp.full((max_num_tokens, config.index_topk), -1,
@@ -693,7 +781,7 @@ class DeepseekV32AttentionStack:
         self.layers = []
         for i in range(num_layers):
             layer = DeepseekV32MLA(config, f"{prefix}.{i}.attn",
-                                   skip_topk=(i % index_share_every) != 0, platform=platform,
+                                   skip_topk=not config.layer_scores(i), platform=platform,
                                    seed=seed + i, xp=xp)
             layer.allocate_kv_cache(num_blocks, topk_indices_buffer=self.topk_indices_buffer)
             self.layers.append(layer)

@@ -12,11 +12,11 @@ from cpsparse.mla import DeepseekV32AttentionStack, DeepseekV32MLA, MLAConfig
 from cpsparse.mtp import MTPDrafter
 from cpsparse.platform import StaticPlatform
 
-cfg = MLAConfig.small()
+cfg = MLAConfig.small(index_topk_freq=2)          # layer 1 shares layer 0's top-k
 rng = np.random.default_rng(0)
 cuda = StaticPlatform(cuda=True)
-stack = DeepseekV32AttentionStack(cfg, num_layers=2, index_share_every=2, num_blocks=32,
-                                  max_num_tokens=512, platform=cuda)
+stack = DeepseekV32AttentionStack(cfg, num_layers=2, num_blocks=32, max_num_tokens=512,
+                                  platform=cuda)
 table = np.arange(16, dtype=np.int32).reshape(2, 8)
 
 

@@ -17,6 +17,9 @@ DESIGN_NAMES = (
        "indexer_prefill_T4096_S4096", "indexer_decode_B64_ctx32768_n1",
        "indexer_decode_B64_ctx32768_n2", "indexer_decode_B256_ctx4096_n1",
        "indexer_decode_B4_ctx131072_n1", "indexer_decode_B1_ctx32768_n1"]
+    # issue 20: MXFP4 keys against DeepGEMM's fp8 on the same contexts
+    + [f"indexer_decode_{w}_mxfp4" for w in ("B64_ctx32768_n1", "B64_ctx32768_n2",
+                                             "B4_ctx131072_n1")]
     + [base + suffix for suffix in ("", "_shift100", "_scale1e-8", "_low10bits")
        for base in ("topk_prefill_8192x8192_causal", "topk_decode_64x32768",
                     "topk_decode_64x131072", "topk_decode_4x131072", "topk_decode_1x131072")]
@@ -34,7 +37,7 @@ def _t(ms):
 
 def test_row_names_are_design_section_12():
     assert sorted(bp.row_names()) == sorted(DESIGN_NAMES)
-    assert len(set(bp.row_names())) == len(DESIGN_NAMES) == 43
+    assert len(set(bp.row_names())) == len(DESIGN_NAMES) == 46
     for w in bp.workloads():
         assert w["peer"] == PEERS[w["name"].split("_")[0]], w
         assert w["kind"] in bp.RUNNERS and w["kind"] in bp.KERNEL_MODULES
@@ -42,8 +45,10 @@ def test_row_names_are_design_section_12():
 
 def test_only_selects_by_prefix():
     names = lambda prefixes: [w["name"] for w in bp.select(prefixes)]  # noqa: E731
-    assert len(names(None)) == 39
+    assert len(names(None)) == 42
     assert names(["mla_decode"]) == DESIGN_NAMES[:5]
+    assert names(["indexer_decode_B64_ctx32768_n2"]) == ["indexer_decode_B64_ctx32768_n2",
+                                                         "indexer_decode_B64_ctx32768_n2_mxfp4"]
     got = names(["topk_decode_64x32768", "indexer_decode_B1"])
     assert got == ["indexer_decode_B1_ctx32768_n1", "topk_decode_64x32768",
                    "topk_decode_64x32768_shift100", "topk_decode_64x32768_scale1e-8",

@@ -245,16 +245,22 @@ def test_small_entry_point_runs_within_its_estimate():
     assert peak < demo.estimate_host_bytes(demo.plan_run("small", "numpy"))
 
 
-@pytest.mark.slow
-def test_v32_numpy_run_completes_within_its_estimate():
-    plan = demo.plan_run("v32", "numpy")
+def _full_config_run(config):
+    """(plan, stdout, step 2's text, peak RSS, seconds) of a whole NumPy run of a
+    full-size config, checked to finish every step cleanly."""
+    plan = demo.plan_run(config, "numpy")
     code, out, err, peak, seconds = _run_measured(
-        ["--config", "v32", "--backend", "numpy"], timeout=3600)
+        ["--config", config, "--backend", "numpy"], timeout=3600)
     assert code == 0, err
     assert "Traceback" not in out + err
     assert out.rstrip().endswith("ok")
     assert _steps(out) == [1, 2, 3, 4]
-    step2 = out.split("[2/4]")[1].split("[3/4]")[0]
+    return plan, out, out.split("[2/4]")[1].split("[3/4]")[0], peak, seconds
+
+
+@pytest.mark.slow
+def test_v32_numpy_run_completes_within_its_estimate():
+    plan, out, step2, peak, seconds = _full_config_run("v32")
     assert (f"{plan.decodes} decode + {plan.prefill_len} prefill tokens" in step2
             and "use_dense_mha=False" in step2)
     assert "layers.0.attn  indexer: 1 call(s), 1 scored, 0 skipped" in step2
@@ -271,3 +277,22 @@ def test_small_config_runs_on_cupy(capsys):
     code, out, err = _main(capsys, ["--backend", "cupy"])
     assert code == 0, err
     assert "backend cupy" in out and out.rstrip().endswith("ok")
+
+
+def test_glm5_numpy_defaults_show_index_sharing():
+    plan = demo.plan_run("glm5", "numpy")
+    demo.check_plan(plan)
+    c = plan.config
+    assert (c.num_heads, c.index_n_heads, c.qk_nope_head_dim, c.v_head_dim) == (64, 32, 192, 256)
+    assert c.indexer_rope_interleave
+    assert [c.layer_scores(i) for i in range(plan.layers)] == [True, True, True, False]
+    assert demo.estimate_host_bytes(plan) < V32_NUMPY_BUDGET
+
+
+@pytest.mark.slow
+def test_glm5_numpy_run_completes_within_its_estimate():
+    plan, out, step2, peak, seconds = _full_config_run("glm5")
+    assert "layers.2.attn  indexer: 1 call(s), 1 scored, 0 skipped" in step2
+    assert "layers.3.attn  indexer: shares the last scoring layer's rows" in step2
+    assert peak <= demo.estimate_host_bytes(plan), f"peak {peak / GiB:.2f} GiB"
+    print(f"glm5 on NumPy: {seconds:.0f} s, peak RSS {peak / GiB:.2f} GiB")

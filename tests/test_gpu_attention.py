@@ -331,3 +331,61 @@ def test_decode_shapes_use_split_kv(cp, katt, tokens, heads):
     poison_pool(cp)
     assert_flashmla_close(sparse_mla_attention(cp.asarray(q), dev, cp.asarray(idx), SCALE),
                           exp, f"T={tokens} H={heads}")
+
+
+@pytest.mark.parametrize("heads", [64, 128])
+def test_extras_match_reference(cp, katt, heads):
+    """attn_sink, topk_length and an extra fp8_ds_mla cache (DeepSeek-V4's window)
+    with its own indices and lengths: the kernels' result against the reference's."""
+    rng = np.random.default_rng(heads)
+    tokens, topk, window = 6, 512, 128
+    main_rec = exact_fp8_records(rng, 40 * BLOCK)
+    extra_rec = exact_fp8_records(rng, 4 * BLOCK)
+    host = cpsparse.MLAKVCache.wrap(main_rec.reshape(40, BLOCK, -1))
+    host_x = cpsparse.MLAKVCache.wrap(extra_rec.reshape(4, BLOCK, -1))
+    dev = cpsparse.MLAKVCache.wrap(cp.asarray(host.data))
+    dev_x = cpsparse.MLAKVCache.wrap(cp.asarray(host_x.data))
+    q = bf16_normal(rng, (tokens, heads, 576))
+    idx = ragged_indices(rng, tokens, topk, host.num_slots)
+    e_idx = ragged_indices(rng, tokens, window, host_x.num_slots)
+    lens = np.array([topk, 0, 100, 511, topk + 9, 1], np.int32)
+    e_lens = np.array([window, 5, 0, 64, 1, 0], np.int32)
+    sink = rng.standard_normal(heads).astype(np.float32)
+    sink[0], sink[1] = np.inf, -np.inf
+    kw = dict(attn_sink=sink, topk_length=lens, extra_topk_length=e_lens)
+    exp = sparse_mla_attention(q, host, idx, SCALE, extra_kv_cache=host_x, extra_indices=e_idx,
+                               **kw)
+    dkw = {k: cp.asarray(v) for k, v in kw.items()}
+    q_d = cp.asarray(q)
+    covered(katt, q_d, dev.records(), fp8=True)
+    check_kernel(cp, lambda: sparse_mla_attention(q_d, dev, cp.asarray(idx), SCALE,
+                                                  extra_kv_cache=dev_x,
+                                                  extra_indices=cp.asarray(e_idx), **dkw), exp)
+
+
+def test_model1_cache_on_cupy_matches_numpy(cp):
+    """The MODEL1 layout on CuPy (array-generic code): the same bytes as on NumPy,
+    FlashMLA's strided view wrapped, and V4-style attention (the reference on the
+    GPU, with a fallback warning: no MODEL1 kernel yet) matching the NumPy result."""
+    rng = np.random.default_rng(5)
+    bs, nb = 64, 6
+    k_nope = rng.standard_normal((nb * bs, 448)).astype(np.float32)
+    k_pe = rng.standard_normal((nb * bs, 64)).astype(np.float32)
+    slots = rng.permutation(nb * bs).astype(np.int32)
+    host = cpsparse.MLAKVCache(nb, bs, layout="model1")
+    host.insert(k_nope, k_pe, slots)
+    page = host.data.shape[1]
+    padded = cp.zeros((nb, page), cp.uint8)
+    dev = cpsparse.MLAKVCache.wrap(padded[:, :bs * 584].reshape(nb, bs, 1, 584),
+                                   layout="model1", block_size=bs)
+    dev.insert(cp.asarray(k_nope), cp.asarray(k_pe), cp.asarray(slots))
+    assert np.array_equal(padded.get(), host.data)
+    q = (rng.standard_normal((3, 16, 512)) * 0.05).astype(np.float32)
+    idx = rng.integers(-1, nb * bs, (3, 512)).astype(np.int32)
+    sink = rng.standard_normal(16).astype(np.float32)
+    exp = sparse_mla_attention(q, host, idx, 0.044, attn_sink=sink)
+    with pytest.warns(UserWarning):
+        got = sparse_mla_attention(cp.asarray(q), dev, cp.asarray(idx), 0.044,
+                                   attn_sink=cp.asarray(sink))
+    np.testing.assert_allclose(got[0].get(), exp[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[1].get(), exp[1], rtol=1e-6)

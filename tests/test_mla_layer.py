@@ -19,6 +19,7 @@ from cpsparse.mla import DeepseekV32AttentionStack, DeepseekV32MLA, MLAConfig
 from cpsparse.platform import StaticPlatform
 
 CFG = MLAConfig.small()
+SHARING = MLAConfig.small(index_topk_freq=2)      # odd layers share the top-k
 BS, K = CFG.block_size, CFG.index_topk
 NAME = "layers.0.attn"
 CUDA, CPU = StaticPlatform(cuda=True), StaticPlatform(cuda=False)
@@ -265,7 +266,7 @@ def test_decode_tokens_always_sparse(monkeypatch):
 
 def stack_and_batch(platform, q, ctx_lens=None, seed=0):
     ctx_lens = ctx_lens or [0] * len(q)
-    stack = DeepseekV32AttentionStack(CFG, num_layers=2, index_share_every=2, num_blocks=40,
+    stack = DeepseekV32AttentionStack(SHARING, num_layers=2, num_blocks=40,
                                       max_num_tokens=256, platform=platform, seed=seed)
     meta = batch(q, ctx_lens, table_for(len(q), seed=10))
     return stack, meta, ForwardContext.for_layers(meta, stack.layer_names)
@@ -333,7 +334,7 @@ def test_index_sharing_short_prefill_skip_never_reads_buffer(monkeypatch):
 
 
 def test_stack_layers_and_names():
-    stack = DeepseekV32AttentionStack(CFG, num_layers=5, index_share_every=2, num_blocks=4,
+    stack = DeepseekV32AttentionStack(SHARING, num_layers=5, num_blocks=4,
                                       max_num_tokens=16, platform=CUDA)
     assert [layer.indexer is None for layer in stack.layers] == [False, True, False, True,
                                                                  False]

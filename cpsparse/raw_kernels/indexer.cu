@@ -158,7 +158,49 @@ __device__ __forceinline__ CpsIdxSmem cps_idx_carve(u8* raw, int q_rows, int sta
 //   rpc:     rows per column chunk (NC // hp); nch chunks
 //   own:     [own_lo, own_hi) the output columns this CTA writes for its rows
 //   key source: PAGED ? pages (cache, bt_row, page_bytes, bs_shift) : kc / ksc rows
-template <int NC, bool WG, bool PAGED, bool WREG, int STAGES>
+// ---- MXFP4 keys -----------------------------------------------------------------
+// A key of D = 128 values is 64 bytes of packed e2m1 codes (the even element in the
+// low nibble) and one int32 of 4 ue8m0 scale bytes, one per 32 values. Hopper has no
+// fp4 MMA, but every e2m1 value times a power of two down to 2**-9 is an e4m3 value:
+// a group g with scale byte e_g is written into the e4m3 tile as
+// code * 2**(e_g - E), E = the key's largest scale byte, and the key scale becomes
+// 2**(E - 127), applied after the MMA like an fp8 key's. Exact unless a group is
+// more than 2**9 below the key's largest (its values then round to e4m3 subnormals
+// or 0: a relative error far below the e2m1 rounding of the large groups).
+
+// Two floats to two e4m3 bytes (lo in the low byte), round to nearest even, saturating.
+__device__ __forceinline__ u32 cps_e4m3x2(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return (u32)r;
+}
+
+// 16 bytes of packed e2m1 (32 values) to 32 e4m3 bytes scaled by 2**d (d <= 0): the
+// 8 magnitudes times 2**d are converted once (4 cvt), then each 4 codes pick their
+// bytes with one byte permute (selector = the 3 magnitude bits of each nibble) and
+// take their sign bits from bit 3 of each nibble.
+__device__ __forceinline__ void cps_e2m1x32_to_e4m3(uint4 p, int d, uint4& o0, uint4& o1) {
+    const float f = __uint_as_float((u32)(127 + max(d, -100)) << 23);    // 2**d
+    const u32 lut_lo = cps_e4m3x2(0.f, 0.5f * f) | (cps_e4m3x2(f, 1.5f * f) << 16);
+    const u32 lut_hi = cps_e4m3x2(2.f * f, 3.f * f) | (cps_e4m3x2(4.f * f, 6.f * f) << 16);
+    const u32 in[4] = {p.x, p.y, p.z, p.w};
+    u32 out[8];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 b = (in[w] >> (16 * half)) & 0xFFFFu;    // 4 codes, element order
+            const u32 mag = __byte_perm(lut_lo, lut_hi, b & 0x7777u);
+            const u32 sign = ((b & 0x8u) << 4) | ((b & 0x80u) << 8) | ((b & 0x800u) << 12)
+                             | ((b & 0x8000u) << 16);
+            out[2 * w + half] = mag | sign;
+        }
+    }
+    o0 = make_uint4(out[0], out[1], out[2], out[3]);
+    o1 = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+template <int NC, bool WG, bool PAGED, bool WREG, int STAGES, bool FP4 = false>
 __device__ __forceinline__ void cps_idx_cta(
         const CpsIdxSmem& s, int nrows, int rpc, int nch, int H, int hp,
         const u8* __restrict__ q, const float* __restrict__ w, long long q_row0,
@@ -248,29 +290,42 @@ __device__ __forceinline__ void cps_idx_cta(
                 const u8* codes;
                 const u8* scales;
                 int lim_keys = hi - t0;                // keys of the tile that exist
+                // key bytes of the codes: 128 (e4m3) or 64 (packed e2m1)
+                constexpr int KB = FP4 ? CPS_IDX_D / 2 : CPS_IDX_D;
                 if constexpr (PAGED) {
                     const int pg = s.bt[(t0 >> bs_shift) - bt_first];
                     if (pg < 0) lim_keys = 0;          // out-of-range page: nothing read
                     const u8* page = kc + (long long)max(pg, 0) * page_bytes;
-                    codes = page + (long long)(t0 & bs_mask) * CPS_IDX_D;
-                    scales = page + ((long long)(1 << bs_shift) << 7) + (t0 & bs_mask) * 4;
+                    codes = page + (long long)(t0 & bs_mask) * KB;
+                    scales = page + (long long)(1 << bs_shift) * KB + (t0 & bs_mask) * 4;
                 } else {
                     codes = kc + (long long)t0 * CPS_IDX_D;
                     scales = reinterpret_cast<const u8*>(ksc + t0);
                 }
-                const int lim = lim_keys - rr;         // rows 16 it + rr < lim_keys are keys
+                if constexpr (FP4) {
+                    // The 4 KB of packed codes go, unswizzled, to the tile's upper half;
+                    // the conversion pass expands them into the whole tile.
 #pragma unroll
-                for (int it = 0; it < 4; ++it) {
-                    const bool valid = 16 * it < lim;
-                    cps_cp_async16(kdst + it * 2048 + dst_off, valid ? codes + it * 2048 + tid * 16 : kc,
-                                   valid);
+                    for (int it = 0; it < 2; ++it) {
+                        const bool valid = 32 * it + (tid >> 2) < lim_keys;
+                        cps_cp_async16(kdst + CPS_IDX_TILE_BYTES / 2 + it * 2048 + tid * 16,
+                                       valid ? codes + it * 2048 + tid * 16 : kc, valid);
+                    }
+                } else {
+                    const int lim = lim_keys - rr;     // rows 16 it + rr < lim_keys are keys
+#pragma unroll
+                    for (int it = 0; it < 4; ++it) {
+                        const bool valid = 16 * it < lim;
+                        cps_cp_async16(kdst + it * 2048 + dst_off,
+                                       valid ? codes + it * 2048 + tid * 16 : kc, valid);
+                    }
                 }
                 if (tid < CPS_IDX_TILE) {
                     const bool valid = tid < lim_keys;
                     cps_cp_async4(sks + (buf * CPS_IDX_TILE + tid) * 4, valid ? scales + tid * 4 : kc,
                                   valid);
                 }
-            } else {
+            } else if constexpr (!FP4) {   // (MXFP4 kernels run on pages >= 64 keys only)
 #pragma unroll
                 for (int it = 0; it < 4; ++it) {
                     const int idx = it * CPS_IDX_THREADS + tid;
@@ -312,6 +367,33 @@ __device__ __forceinline__ void cps_idx_cta(
         const int buf = j % STAGES;
         const int t0 = t_lo + j * CPS_IDX_TILE;
         const u32 a_addr = sk + buf * CPS_IDX_TILE_BYTES;
+        if constexpr (FP4) {
+            // Two threads a key: thread (r, h) expands values [64 h, 64 h + 64) of key r
+            // (groups 2h, 2h + 1) into its swizzled e4m3 row; the key's scale word
+            // becomes the float key scale 2**(E - 127).
+            const int r = tid >> 1, h = tid & 1;
+            u8* tile = s.k + buf * CPS_IDX_TILE_BYTES;
+            const uint4* src = reinterpret_cast<const uint4*>(
+                tile + CPS_IDX_TILE_BYTES / 2 + r * (CPS_IDX_D / 2) + h * 32);
+            const uint4 p0 = src[0], p1 = src[1];
+            const u32 word = reinterpret_cast<const u32*>(s.ks)[buf * CPS_IDX_TILE + r];
+            __syncthreads();                   // every packed byte read before any write
+            const int e0 = word & 0xFF, e1 = (word >> 8) & 0xFF, e2 = (word >> 16) & 0xFF,
+                      e3 = word >> 24;
+            const int e_max = max(max(e0, e1), max(e2, e3));
+            const int ea = h ? e2 : e0, eb = h ? e3 : e1;
+            u8* row = tile + r * CPS_IDX_D;
+            uint4 a, b;                        // one group at a time: few live registers
+            cps_e2m1x32_to_e4m3(p0, ea - e_max, a, b);
+            *reinterpret_cast<uint4*>(row + (((4 * h) ^ (r & 7)) << 4)) = a;
+            *reinterpret_cast<uint4*>(row + (((4 * h + 1) ^ (r & 7)) << 4)) = b;
+            cps_e2m1x32_to_e4m3(p1, eb - e_max, a, b);
+            *reinterpret_cast<uint4*>(row + (((4 * h + 2) ^ (r & 7)) << 4)) = a;
+            *reinterpret_cast<uint4*>(row + (((4 * h + 3) ^ (r & 7)) << 4)) = b;
+            if (h == 0) s.ks[buf * CPS_IDX_TILE + r] = __uint_as_float((u32)e_max << 23);
+            cps_fence_proxy_async();           // generic-proxy writes, read by wgmma
+            __syncthreads();
+        }
         const int key0 = 16 * warp + g;
         const float sk0 = 0.5f * s.ks[buf * CPS_IDX_TILE + key0];
         const float sk1 = 0.5f * s.ks[buf * CPS_IDX_TILE + key0 + 8];
@@ -447,7 +529,7 @@ cps_mqa_logits_mma(const u8* __restrict__ q, const u8* __restrict__ kc,
 // rows of request b. Row (b, j) sees positions < L_b - next_n + j + 1 (1-D lens) or
 // < lens[b, j] (2-D lens). The page ids of the piece are read together with the lengths
 // (entries past the context are read but never used).
-template <int NC, bool WG, bool WREG, int STAGES>
+template <int NC, bool WG, bool WREG, int STAGES, bool FP4>
 __device__ __forceinline__ void cps_paged_body(
         const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w,
         const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,
@@ -477,19 +559,20 @@ __device__ __forceinline__ void cps_paged_body(
     }
     __syncthreads();
     const long long row0 = (long long)b * next_n;
-    const long long page_bytes = (long long)(1 << bs_shift) * (CPS_IDX_D + 4);
-    cps_idx_cta<NC, WG, true, WREG, STAGES>(s, next_n, rpc, nch, H, hp, q, w, row0, cache, nullptr,
+    // fp8 pages: 128 code bytes and a float32 scale a key; MXFP4: 64 and an int32
+    const long long page_bytes = (long long)(1 << bs_shift) * ((FP4 ? CPS_IDX_D / 2 : CPS_IDX_D) + 4);
+    cps_idx_cta<NC, WG, true, WREG, STAGES, FP4>(s, next_n, rpc, nch, H, hp, q, w, row0, cache, nullptr,
                                       bt_first, page_bytes, bs_shift,
                                       out, row0, (long long)width, own_lo, own_hi);
 }
 
-#define CPS_PAGED_KERNEL(NAME, NC, WG, WREG, STAGES, MINB)                                    \
+#define CPS_PAGED_KERNEL(NAME, NC, WG, WREG, STAGES, MINB, FP4)                               \
     extern "C" __global__ void __launch_bounds__(CPS_IDX_THREADS, MINB)                       \
     NAME(const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w, \
          const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,  \
          int num_blocks, float* __restrict__ out, int width, int next_n, int H, int hp,       \
          int nch, int bs_shift, int piece_tiles) {                                            \
-        cps_paged_body<NC, WG, WREG, STAGES>(q, cache, w, lens, lens_2d, bt, bt_cols,         \
+        cps_paged_body<NC, WG, WREG, STAGES, FP4>(q, cache, w, lens, lens_2d, bt, bt_cols,    \
                                              num_blocks, out, width, next_n, H, hp, nch,      \
                                              bs_shift, piece_tiles);                          \
     }
@@ -497,9 +580,13 @@ __device__ __forceinline__ void cps_paged_body(
 // _n64 / _n128: one chunk of 64 / 128 columns (weights in registers); _n128m: next_n rows
 // spread over several 128-column chunks (weights in smem); _sS: S key tiles in the ring
 // (the launcher's DECODE_STAGES = 3 for wgmma, MMA_STAGES = 4 for mma.sync).
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n64_s3, 64, true, true, 3, 6)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128_s3, 128, true, true, 3, 4)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128m_s3, 128, true, false, 3, 4)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n64_s4, 64, false, true, 4, 3)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n128_s4, 128, false, true, 4, 3)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n128m_s4, 128, false, false, 4, 3)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n64_s3, 64, true, true, 3, 6, false)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128_s3, 128, true, true, 3, 4, false)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128m_s3, 128, true, false, 3, 4, false)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n64_s4, 64, false, true, 4, 3, false)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n128_s4, 128, false, true, 4, 3, false)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n128m_s4, 128, false, false, 4, 3, false)
+// MXFP4 keys (pages of at least 64 keys: the contiguous tile path), wgmma only.
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n64_s3, 64, true, true, 3, 6, true)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n128_s3, 128, true, true, 3, 4, true)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n128m_s3, 128, true, false, 3, 4, true)

@@ -153,23 +153,25 @@ def decode_plan(batch, next_n, heads, width, block_size, sms, smem_per_sm, stage
 _PLANS: dict[Any, Any] = {}
 
 
-def paged_plan(batch, next_n, heads, dim, width, block_size, path=None):
+def paged_plan(batch, next_n, heads, dim, width, block_size, path=None, fp4=False):
     """(path, plan, kernel) of a decode shape on the current device, memoized: plan
-    and kernel None when the kernel does not cover it (see :func:`decode_plan`)."""
+    and kernel None when the kernel does not cover it (see :func:`decode_plan`).
+    ``fp4``: MXFP4 keys, which the wgmma kernels read from pages of >= 64 keys."""
     dev = raw_kernels.current_device()
-    key = (dev, batch, next_n, heads, dim, width, block_size, path)
+    key = (dev, batch, next_n, heads, dim, width, block_size, path, fp4)
     hit = _PLANS.get(key)
     if hit is None:
         facts = raw_kernels.device_facts()
         path_ = _pick_path(path)
         stages = DECODE_STAGES if path_ == "wgmma" else MMA_STAGES
-        plan = None if dim != D else decode_plan(batch, next_n, heads, width, block_size,
-                                                 facts.sms, facts.smem_per_sm, stages)
+        covered = dim == D and (not fp4 or (path_ == "wgmma" and block_size >= TILE))
+        plan = None if not covered else decode_plan(batch, next_n, heads, width, block_size,
+                                                    facts.sms, facts.smem_per_sm, stages)
         fn = None
         if plan is not None:
             variant, nc, nch = plan[:3]
-            fn = _kernel(f"cps_paged_mqa_logits_{path_}_{variant}_s{stages}", PAGED_ARGS,
-                         smem_bytes(nch * nc, stages))
+            name = f"cps_paged_mqa_logits_{'fp4_' if fp4 else ''}{path_}_{variant}_s{stages}"
+            fn = _kernel(name, PAGED_ARGS, smem_bytes(nch * nc, stages))
         hit = _PLANS[key] = (path_, plan, fn)
     return hit
 
@@ -193,7 +195,8 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
         out.fill(-numpy.inf)
         return out
     if plan is None:
-        plan = paged_plan(batch, next_n, heads, dim, width, cache.block_size, path)
+        plan = paged_plan(batch, next_n, heads, dim, width, cache.block_size, path,
+                          cache.dtype == "mxfp4")
     path, plan, fn = plan
     variant, nc, nch, hp, stages, pt, pieces = plan
     if piece_tiles is not None:

@@ -7,4 +7,4 @@ package directly when you validate a kernel of your own and want the exact
 formula with no dispatch in between.
 """
 
-from cpsparse.reference import attention, cache, fp8, indexer  # noqa: F401
+from cpsparse.reference import attention, cache, fp4, fp8, indexer  # noqa: F401

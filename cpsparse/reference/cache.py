@@ -7,6 +7,12 @@ MLA cache ``fp8_ds_mla`` (FlashMLA / vLLM): ``uint8 [num_blocks, B, T]`` with
 one record of ``T = L + 4 * (L // 128) + 2 * R`` bytes per token (656 for
 L = 512, R = 64): L e4m3 codes of the latent, L // 128 float32 scales, then R
 bfloat16 RoPE values.
+
+MLA cache ``model1`` (DeepSeek-V4, FlashMLA's MODEL1_FP8Sparse), 584 bytes a token:
+``uint8 [num_blocks, P]``. A page holds the B token rows first, each 448 e4m3
+codes of the NoPE part then 64 bfloat16 RoPE values (576 bytes), then per token
+7 ue8m0 scale bytes (one per 64 codes, ``2 ** (byte - 127)``) and a zero pad
+byte; P is ``B * 584`` rounded up to a multiple of 576.
 """
 
 from __future__ import annotations
@@ -33,42 +39,64 @@ def _as_u8(xp, a, n):
 
 # ---- indexer key cache -------------------------------------------------------
 
+def indexer_layout(head_dim: int, fmt: str = "fp8") -> tuple[int, int]:
+    """(code bytes, scale bytes) of one key: fp8 ``(D, 4)`` (one float32 scale);
+    mxfp4 ``(D / 2, 4 * ceil(D / 128))`` (packed e2m1, then one ue8m0 byte per 32
+    values, padded with 127 = 2**0 to whole int32 words, as DeepGEMM packs them)."""
+    if fmt == "fp8":
+        return head_dim, 4
+    return head_dim // 2, 4 * -(-head_dim // 128)
+
+
 def indexer_insert(data: Array, block_size: int, head_dim: int, codes: Array, scales: Array,
-                   slot_mapping: Array) -> None:
-    """Scatter codes [N, D] uint8 and scales [N] float32 into the pages.
+                   slot_mapping: Array, fmt: str = "fp8") -> None:
+    """Scatter codes and scales into the pages: fp8 codes [N, D] uint8 and scales
+    [N] float32, or mxfp4 packed codes [N, D / 2] and scale bytes [N, D / 32].
 
     Slot -1 is skipped, and so is any slot outside the cache (never written).
     """
     xp = xp_of(data)
-    page = block_size * (head_dim + 4)
+    cb, sb = indexer_layout(head_dim, fmt)
+    page = block_size * (cb + sb)
     valid = (slot_mapping >= 0) & (slot_mapping < data.shape[0] * block_size)
     slots = slot_mapping[valid].astype(xp.int64)
     if slots.size == 0:
         return
     blk, off = slots // block_size, slots % block_size
     flat = data.reshape(-1)
-    code_pos = (blk * page + off * head_dim)[:, None] + xp.arange(head_dim)
+    code_pos = (blk * page + off * cb)[:, None] + xp.arange(cb)
     flat[code_pos] = codes[valid]
-    scale_pos = (blk * page + block_size * head_dim + 4 * off)[:, None] + xp.arange(4)
-    flat[scale_pos] = _as_u8(xp, scales[valid].astype(xp.float32)[:, None], 4)
+    scale_pos = (blk * page + block_size * cb + sb * off)[:, None] + xp.arange(sb)
+    if fmt == "fp8":
+        flat[scale_pos] = _as_u8(xp, scales[valid].astype(xp.float32)[:, None], 4)
+    else:
+        words = xp.full((slots.shape[0], sb), 127, dtype=xp.uint8)
+        words[:, :scales.shape[1]] = scales[valid]
+        flat[scale_pos] = words
 
 
 def indexer_read(data: Array, block_size: int, head_dim: int, blocks: Array,
-                 offsets: Array) -> tuple[Array, Array]:
-    """codes [N, D] uint8 and scales [N] float32 of (page, offset) pairs.
+                 offsets: Array, fmt: str = "fp8") -> tuple[Array, Array]:
+    """codes and scales of (page, offset) pairs, as :func:`indexer_insert` takes them.
 
-    A page id outside ``[0, num_blocks)`` reads nothing: zero codes, zero scale.
+    A page id outside ``[0, num_blocks)`` reads nothing: zero codes, zero scale (fp8)
+    or scale bytes 0 (mxfp4, 2**-127: a zero key).
     """
     xp = xp_of(data)
-    page = block_size * (head_dim + 4)
+    cb, sb = indexer_layout(head_dim, fmt)
+    page = block_size * (cb + sb)
     blocks = blocks.astype(xp.int64)
     offsets = offsets.astype(xp.int64)
     ok = (blocks >= 0) & (blocks < data.shape[0])
     blocks, offsets = blocks[ok], offsets[ok]
     flat = data.reshape(-1)
-    codes = xp.zeros((ok.shape[0], head_dim), dtype=xp.uint8)
-    codes[ok] = flat[(blocks * page + offsets * head_dim)[:, None] + xp.arange(head_dim)]
-    sbytes = flat[(blocks * page + block_size * head_dim + 4 * offsets)[:, None] + xp.arange(4)]
+    codes = xp.zeros((ok.shape[0], cb), dtype=xp.uint8)
+    codes[ok] = flat[(blocks * page + offsets * cb)[:, None] + xp.arange(cb)]
+    sbytes = flat[(blocks * page + block_size * cb + sb * offsets)[:, None] + xp.arange(sb)]
+    if fmt != "fp8":
+        scales = xp.zeros((ok.shape[0], head_dim // 32), dtype=xp.uint8)
+        scales[ok] = sbytes[:, :head_dim // 32]
+        return codes, scales
     scales = xp.zeros(ok.shape[0], dtype=xp.float32)
     scales[ok] = xp.ascontiguousarray(sbytes).view(xp.float32).reshape(-1)
     return codes, scales
@@ -146,3 +174,85 @@ def mla_read(data: Array, slots: Array, kv_lora_rank: int, rope_dim: int) -> Arr
     rows = xp.zeros((slots.shape[0], kv_lora_rank + rope_dim), dtype=xp.float32)
     rows[ok] = mla_decode(flat[slots[ok]], kv_lora_rank, rope_dim)
     return rows
+
+
+# ---- MLA cache, MODEL1 layout (DeepSeek-V4) ------------------------------------
+
+MODEL1_NOPE, MODEL1_ROPE, MODEL1_TILE = 448, 64, 64
+MODEL1_ROW = MODEL1_NOPE + 2 * MODEL1_ROPE            # 576 bytes: codes, then bf16 RoPE
+MODEL1_SCALES = MODEL1_NOPE // MODEL1_TILE            # 7 ue8m0 bytes, then 1 pad byte
+MODEL1_TOKEN_BYTES = MODEL1_ROW + MODEL1_SCALES + 1   # 584
+
+
+def model1_page_bytes(block_size: int) -> int:
+    """Bytes of one MODEL1 page: ``block_size * 584`` rounded up to a multiple of 576."""
+    return -(-block_size * MODEL1_TOKEN_BYTES // MODEL1_ROW) * MODEL1_ROW
+
+
+def model1_encode(k_nope: Array, k_pe: Array) -> tuple[Array, Array]:
+    """(rows uint8 [N, 576], scale bytes uint8 [N, 8]) of k_nope [N, 448], k_pe [N, 64].
+
+    Per 64-value tile: ``scale = 2 ** ceil(log2(max(float32(amax / 448), 1e-4)))``
+    (FlashMLA's quantizer), codes = e4m3(value / scale), byte = log2(scale) + 127.
+    """
+    xp = xp_of(k_nope)
+    x32 = fp8.to_float32(k_nope)
+    n = x32.shape[0]
+    tiles = x32.reshape(n, MODEL1_SCALES, MODEL1_TILE)
+    mag = xp.abs(tiles)
+    mag = xp.where(xp.isnan(mag), xp.float32(0), mag)
+    amax = mag.max(axis=-1) if n else xp.zeros((0, MODEL1_SCALES), xp.float32)
+    s_inv = xp.maximum(amax / xp.float32(fp8.E4M3_MAX), xp.float32(1e-4))   # float32
+    with numpy.errstate(invalid="ignore"):
+        mant, expo = xp.frexp(s_inv.astype(xp.float64))
+    expo = xp.where(mant == 0.5, expo - 1, expo)         # ceil(log2): a power stays
+    scale = xp.ldexp(xp.ones(expo.shape, xp.float64), expo.astype(xp.int32))
+    with numpy.errstate(invalid="ignore", over="ignore"):
+        q = (tiles.astype(xp.float64) / scale[..., None]).astype(xp.float32)
+    codes = fp8.e4m3_encode(q).reshape(n, MODEL1_NOPE)
+    rope = _as_u8(xp, fp8.bf16_encode(fp8.to_float32(k_pe)), 2 * MODEL1_ROPE)
+    scale_bytes = xp.zeros((n, MODEL1_SCALES + 1), dtype=xp.uint8)
+    scale_bytes[:, :MODEL1_SCALES] = (expo + 127).astype(xp.uint8)
+    return xp.concatenate([codes, rope], axis=1), scale_bytes
+
+
+def _model1_views(data: Array, block_size: int) -> tuple[Array, Array]:
+    """(rows [num_blocks, B, 576], scale bytes [num_blocks, B, 8]) views of the pages
+    (views, not copies: only the last axis is split)."""
+    nb = data.shape[0]
+    rows = data[:, :block_size * MODEL1_ROW].reshape(nb, block_size, MODEL1_ROW)
+    end = block_size * MODEL1_TOKEN_BYTES
+    scales = data[:, block_size * MODEL1_ROW:end].reshape(nb, block_size, MODEL1_SCALES + 1)
+    return rows, scales
+
+
+def model1_insert(data: Array, block_size: int, rows: Array, scale_bytes: Array,
+                  slot_mapping: Array) -> None:
+    """Write encoded tokens into MODEL1 pages data [num_blocks, P]; slot -1 and any
+    slot outside the cache are skipped."""
+    xp = xp_of(data)
+    page_rows, page_scales = _model1_views(data, block_size)
+    valid = (slot_mapping >= 0) & (slot_mapping < data.shape[0] * block_size)
+    slots = slot_mapping[valid].astype(xp.int64)
+    page, off = slots // block_size, slots % block_size
+    page_rows[page, off] = rows[valid]
+    page_scales[page, off] = scale_bytes[valid]
+
+
+def model1_read(data: Array, block_size: int, slots: Array) -> Array:
+    """float32 [N, 512] (dequantized NoPE, then RoPE) of global slots; a slot outside
+    the cache reads nothing and gives a zero row."""
+    xp = xp_of(data)
+    page_rows, page_scales = _model1_views(data, block_size)
+    slots = slots.astype(xp.int64)
+    ok = (slots >= 0) & (slots < data.shape[0] * block_size)
+    page, off = slots[ok] // block_size, slots[ok] % block_size
+    out = xp.zeros((slots.shape[0], MODEL1_NOPE + MODEL1_ROPE), dtype=xp.float32)
+    rows, scales = page_rows[page, off], page_scales[page, off, :MODEL1_SCALES]
+    codes = fp8.e4m3_decode(xp.ascontiguousarray(rows[:, :MODEL1_NOPE])).astype(xp.float64)
+    factor = xp.ldexp(xp.ones(scales.shape, xp.float64), scales.astype(xp.int32) - 127)
+    nope = (codes.reshape(-1, MODEL1_SCALES, MODEL1_TILE) * factor[..., None]).reshape(
+        -1, MODEL1_NOPE)
+    rope = fp8.bf16_decode(xp.ascontiguousarray(rows[:, MODEL1_NOPE:]).view(xp.uint16))
+    out[ok] = xp.concatenate([nope.astype(xp.float32), rope], axis=1)
+    return out

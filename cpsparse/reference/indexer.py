@@ -16,7 +16,7 @@ import numpy
 
 from cpsparse import paging
 from cpsparse.reference import cache as cache_ref
-from cpsparse.reference import fp8
+from cpsparse.reference import fp4, fp8
 from cpsparse.reference._xp import to_host, xp_of
 
 if TYPE_CHECKING:
@@ -57,8 +57,12 @@ def mqa_logits(q_codes: Array, k_codes: Array, k_scales: Array, weights: Array, 
     if m_total == 0 or n_keys == 0:
         return out
     q = fp8.e4m3_decode(q_codes).astype(xp.float64)
-    k = fp8.e4m3_decode(k_codes).astype(xp.float64)
-    s_k = k_scales.reshape(-1).astype(xp.float64)
+    if k_scales.dtype == xp.uint8:         # MXFP4 keys: packed e2m1 and ue8m0 bytes
+        k = fp4.dequantize(k_codes, k_scales)
+        s_k = xp.ones(n_keys, dtype=xp.float64)
+    else:
+        k = fp8.e4m3_decode(k_codes).astype(xp.float64)
+        s_k = k_scales.reshape(-1).astype(xp.float64)
     w = weights.astype(xp.float64)
     ks = xp.clip(ks.astype(xp.int64), 0, n_keys)
     ke = xp.clip(ke.astype(xp.int64), 0, n_keys)
@@ -81,8 +85,10 @@ decode_row_ends = paging.decode_row_ends
 
 
 def paged_mqa_logits(q_codes: Array, cache_data: Array, block_size: int, weights: Array,
-                     context_lens: Array, block_table: Array, max_context_len: int) -> Array:
-    """logits [B * next_n, max_context_len] float32 over the paged key cache.
+                     context_lens: Array, block_table: Array, max_context_len: int,
+                     fmt: str = "fp8") -> Array:
+    """logits [B * next_n, max_context_len] float32 over the paged key cache (pages of
+    ``fmt`` "fp8" or "mxfp4", see :func:`cpsparse.reference.cache.indexer_layout`).
 
     Windows end at ``min(end, max_context_len)``. A position whose page id is
     outside ``[0, num_blocks)``, or past the request's block-table row, is not a
@@ -107,7 +113,7 @@ def paged_mqa_logits(q_codes: Array, cache_data: Array, block_size: int, weights
         exists = (pages >= 0) & (pages < num_blocks)
         pos = pos[exists]
         codes, scales = cache_ref.indexer_read(cache_data, block_size, dim, pages[exists],
-                                               pos % block_size)
+                                               pos % block_size, fmt)
         ks = xp.zeros(next_n, dtype=xp.int64)
         # Keys are the existing positions only; a row's window is those below its end.
         ke = xp.searchsorted(pos, ends[rows])
