@@ -141,3 +141,26 @@ def test_the_rope_layout_changes_the_topk_rows():
         rows[interleaved] = np.sort(layer.topk_indices_buffer[:300], axis=1)
     differ = (rows[False] != rows[True]).any(axis=1)
     assert differ[cfg.index_topk + 10:].mean() > 0.5      # rows with a real choice
+
+
+# ---- the shapes the models run: top-k widths and MLA heads per rank ----------
+
+@pytest.mark.parametrize("topk,heads", [(512, 16), (1024, 32)])
+def test_layer_runs_every_topk_and_head_count(topk, heads):
+    """A prefill just past index_topk takes the sparse route with the buffer as wide as
+    index_topk, at DeepSeek-V4's top-k widths (512, 1024) and tensor-parallel head
+    counts per rank (2048 and 64/128 heads: the v32 and glm5 demo runs)."""
+    cfg = MLAConfig.small(index_topk=topk, num_heads=heads, block_size=64)
+    layer = DeepseekV32MLA(cfg, "layers.0.attn", platform=CPU, seed=topk)
+    tokens = topk + 40
+    pages = -(-tokens // cfg.block_size)
+    layer.allocate_kv_cache(pages, max_num_tokens=tokens)
+    meta = build_batch([tokens], [0], np.arange(pages, dtype=np.int32)[None],
+                       block_size=cfg.block_size, index_topk=topk)
+    x = np.random.default_rng(0).standard_normal((tokens, cfg.hidden_size)).astype(np.float32)
+    y = layer.forward(x, forward_context=ForwardContext.for_layers(meta, [layer.layer_name]))
+    assert y.shape == (tokens, cfg.hidden_size) and np.isfinite(y).all()
+    rows = layer.topk_indices_buffer
+    assert rows.shape == (tokens, topk)
+    assert (rows[topk:] >= 0).all()                        # the long rows hold k positions
+    assert layer.attention_stats.sparse_tokens == tokens
