@@ -37,6 +37,7 @@ import time
 
 from benchmarks import harness
 from cpsparse import timing
+from cpsparse.reference import fp4, fp8
 
 K, BS, D, H_IDX, D_QK, D_V, RECORD = 2048, 64, 128, 64, 576, 512, 656
 LIBSTDCXX = "/usr/lib/x86_64-linux-gnu/libstdc++.so.6"
@@ -176,16 +177,13 @@ def _fill_indexer(cp, data, chunk=4096):
         data[p0:p1, BS * D:] = sc.view(cp.uint8)
 
 
-# e4m3 bytes of the 8 e2m1 magnitudes (0, .5, 1, 1.5, 2, 3, 4, 6)
-_E2M1_AS_E4M3 = (0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C)
-
-
 def _fill_indexer_mxfp4(cp, fp4_data, fp8_data, chunk=4096):
     """The same random keys as MXFP4 pages and as fp8 pages: random e2m1 codes, one
     ue8m0 exponent a key (in [2**-10, 2**-6], repeated over its 4 groups), so the fp8
     key (code as e4m3, float32 scale 2**e) is exactly the MXFP4 key and both sides'
     logits can agree to the rounding of their fp32 sums."""
-    lut = cp.asarray(_E2M1_AS_E4M3, dtype=cp.uint8)
+    # e4m3 bytes of the 8 e2m1 magnitudes
+    lut = cp.asarray(fp8.e4m3_encode(cp.asarray(fp4.E2M1_VALUES, dtype=cp.float32)))
     for p0 in range(0, fp4_data.shape[0], chunk):
         p1 = min(fp4_data.shape[0], p0 + chunk)
         n = (p1 - p0) * BS

@@ -98,6 +98,13 @@ def _kv_source(kv_cache, dqk, d_v):
     return kv_cache, (dqk - DEFAULT_ROPE_DIM if d_v is None else d_v)
 
 
+def _rows_of(source):
+    """(key rows, their decoder or None) of a cache (its records) or a dense workspace."""
+    if isinstance(source, MLAKVCache):
+        return source.records(), source.decode_records
+    return source, None
+
+
 def _check_q(q):
     V.check_array("q", q, ndim=3, dtype=V.FLOAT_DTYPES, shape_desc="[T, H, D]")
     return q.shape
@@ -230,10 +237,7 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
             indices = indices.reshape(indices.shape[0], indices.shape[2])
         source = kv_cache if wrapped is not None or lora is None else MLAKVCache.trusted_view(
             data, lora, q.shape[2] - lora, xp)
-    if isinstance(source, MLAKVCache):
-        rows, decode = source.records(), source.decode_records
-    else:
-        rows, decode = source, None
+    rows, decode = _rows_of(source)
     V.check_slots(xp, indices, rows.shape[0], name="indices")
     return sparse_mla_attention_core(xp, q, rows, decode, indices, sm_scale, d_v)
 
@@ -250,10 +254,7 @@ def _check_sparse_source(xp, q, kv_cache, indices, d_v, names):
     indices = V.squeeze_axis(names[1], indices, 1, 3)        # FlashMLA's [T, 1, topk]
     V.check_index(names[1], indices, ndim=2, shape=(tokens, None),
                   shape_desc="[T, topk] or [T, 1, topk]")
-    if isinstance(source, MLAKVCache):
-        rows, decode = source.records(), source.decode_records
-    else:
-        rows, decode = source, None
+    rows, decode = _rows_of(source)
     V.check_slots(xp, indices, rows.shape[0], name=names[1])
     return rows, decode, indices, d_v
 

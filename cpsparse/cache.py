@@ -457,6 +457,10 @@ class MLAKVCache:
         xp = _backend.get_array_module(slots=slots, data=self.data)
         V.check_index("slots", slots, ndim=1, shape_desc="[N]")
         V.check_slots(xp, slots, self.num_slots, name="slots", allow_negative_one=False)
+        return self._read(slots)
+
+    def _read(self, slots: Array) -> Array:
+        """Rows of slots, zero for one outside the cache (the reference reader)."""
         return _ref.mla_read(self.data, slots, self.kv_lora_rank, self.rope_dim)
 
     def gather_core(self, slots: Array) -> Array:
@@ -464,9 +468,13 @@ class MLAKVCache:
         return self.decode_records(self.records()[slots])
 
 
-# The signature callers see is __init__'s: __new__ only picks the class of a layout.
-MLAKVCache.__signature__ = inspect.signature(MLAKVCache.__init__).replace(  # type: ignore
-    parameters=list(inspect.signature(MLAKVCache.__init__).parameters.values())[1:])
+def _show_init_signature(cls):
+    """The signature callers see is __init__'s: __new__ only picks the class of a layout."""
+    init = inspect.signature(cls.__init__)
+    cls.__signature__ = init.replace(parameters=list(init.parameters.values())[1:])
+
+
+_show_init_signature(MLAKVCache)
 
 
 class Model1KVCache(MLAKVCache):
@@ -600,14 +608,7 @@ class Model1KVCache(MLAKVCache):
         rows, scales = _ref.model1_encode(kv_c, k_pe)
         _ref.model1_insert(self.data, self._block_size, rows, scales, slot_mapping)
 
-    def gather(self, slots: Array) -> Array:
-        """Dequantized rows float32 [N, 512] of global ``slots`` [N] (no -1)."""
-        xp = _backend.get_array_module(slots=slots, data=self.data)
-        V.check_index("slots", slots, ndim=1, shape_desc="[N]")
-        V.check_slots(xp, slots, self.num_slots, name="slots", allow_negative_one=False)
-        return _ref.model1_read(self.data, self._block_size, slots)
-
-    def gather_core(self, slots: Array) -> Array:
+    def _read(self, slots: Array) -> Array:
         return _ref.model1_read(self.data, self._block_size, slots)
 
 
@@ -618,5 +619,4 @@ def _check_model1_dims(kv_lora_rank, rope_dim):
                          f"{rope_dim}")
 
 
-Model1KVCache.__signature__ = inspect.signature(Model1KVCache.__init__).replace(  # type: ignore
-    parameters=list(inspect.signature(Model1KVCache.__init__).parameters.values())[1:])
+_show_init_signature(Model1KVCache)

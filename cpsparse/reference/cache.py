@@ -182,6 +182,7 @@ MODEL1_NOPE, MODEL1_ROPE, MODEL1_TILE = 448, 64, 64
 MODEL1_ROW = MODEL1_NOPE + 2 * MODEL1_ROPE            # 576 bytes: codes, then bf16 RoPE
 MODEL1_SCALES = MODEL1_NOPE // MODEL1_TILE            # 7 ue8m0 bytes, then 1 pad byte
 MODEL1_TOKEN_BYTES = MODEL1_ROW + MODEL1_SCALES + 1   # 584
+MODEL1_SCALE_FLOOR = 1e-4                              # least scale before the ue8m0 rounding
 
 
 def model1_page_bytes(block_size: int) -> int:
@@ -193,26 +194,16 @@ def model1_encode(k_nope: Array, k_pe: Array) -> tuple[Array, Array]:
     """(rows uint8 [N, 576], scale bytes uint8 [N, 8]) of k_nope [N, 448], k_pe [N, 64].
 
     Per 64-value tile: ``scale = 2 ** ceil(log2(max(float32(amax / 448), 1e-4)))``
-    (FlashMLA's quantizer), codes = e4m3(value / scale), byte = log2(scale) + 127.
+    (FlashMLA's quantizer), codes = e4m3(value / scale), byte = log2(scale) + 127:
+    the ue8m0 group quantizer of the fp8 module with its floor 1e-4 * 448 on amax
+    (the same power of two: 1e-4 is far from one).
     """
     xp = xp_of(k_nope)
-    x32 = fp8.to_float32(k_nope)
-    n = x32.shape[0]
-    tiles = x32.reshape(n, MODEL1_SCALES, MODEL1_TILE)
-    mag = xp.abs(tiles)
-    mag = xp.where(xp.isnan(mag), xp.float32(0), mag)
-    amax = mag.max(axis=-1) if n else xp.zeros((0, MODEL1_SCALES), xp.float32)
-    s_inv = xp.maximum(amax / xp.float32(fp8.E4M3_MAX), xp.float32(1e-4))   # float32
-    with numpy.errstate(invalid="ignore"):
-        mant, expo = xp.frexp(s_inv.astype(xp.float64))
-    expo = xp.where(mant == 0.5, expo - 1, expo)         # ceil(log2): a power stays
-    scale = xp.ldexp(xp.ones(expo.shape, xp.float64), expo.astype(xp.int32))
-    with numpy.errstate(invalid="ignore", over="ignore"):
-        q = (tiles.astype(xp.float64) / scale[..., None]).astype(xp.float32)
-    codes = fp8.e4m3_encode(q).reshape(n, MODEL1_NOPE)
+    codes, scales = fp8.quantize_groups(k_nope, MODEL1_TILE, "ue8m0",
+                                        MODEL1_SCALE_FLOOR * fp8.E4M3_MAX)
     rope = _as_u8(xp, fp8.bf16_encode(fp8.to_float32(k_pe)), 2 * MODEL1_ROPE)
-    scale_bytes = xp.zeros((n, MODEL1_SCALES + 1), dtype=xp.uint8)
-    scale_bytes[:, :MODEL1_SCALES] = (expo + 127).astype(xp.uint8)
+    scale_bytes = xp.zeros((codes.shape[0], MODEL1_SCALES + 1), dtype=xp.uint8)
+    scale_bytes[:, :MODEL1_SCALES] = (fp8.ceil_log2(scales) + 127).astype(xp.uint8)
     return xp.concatenate([codes, rope], axis=1), scale_bytes
 
 
@@ -250,8 +241,8 @@ def model1_read(data: Array, block_size: int, slots: Array) -> Array:
     out = xp.zeros((slots.shape[0], MODEL1_NOPE + MODEL1_ROPE), dtype=xp.float32)
     rows, scales = page_rows[page, off], page_scales[page, off, :MODEL1_SCALES]
     codes = fp8.e4m3_decode(xp.ascontiguousarray(rows[:, :MODEL1_NOPE])).astype(xp.float64)
-    factor = xp.ldexp(xp.ones(scales.shape, xp.float64), scales.astype(xp.int32) - 127)
-    nope = (codes.reshape(-1, MODEL1_SCALES, MODEL1_TILE) * factor[..., None]).reshape(
+    nope = (codes.reshape(-1, MODEL1_SCALES, MODEL1_TILE)
+            * fp8.ue8m0_value(scales)[..., None]).reshape(
         -1, MODEL1_NOPE)
     rope = fp8.bf16_decode(xp.ascontiguousarray(rows[:, MODEL1_NOPE:]).view(xp.uint16))
     out[ok] = xp.concatenate([nope.astype(xp.float32), rope], axis=1)

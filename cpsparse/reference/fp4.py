@@ -60,10 +60,7 @@ def scale_bytes(x: Array) -> Array:
     mag = xp.where(xp.isnan(mag), xp.float32(0), mag)
     amax = mag.max(axis=-1) if g.size else xp.zeros(g.shape[:-1], xp.float32)
     s = xp.maximum(amax, xp.float32(AMAX_FLOOR)) / xp.float32(E2M1_MAX)      # float32
-    with numpy.errstate(invalid="ignore"):
-        mant, expo = xp.frexp(s.astype(xp.float64))
-    expo = xp.where(mant == 0.5, expo - 1, expo)      # ceil(log2 s): a power stays
-    return xp.clip(expo + 127, 1, 254).astype(xp.uint8)
+    return xp.clip(fp8.ceil_log2(s) + 127, 1, 254).astype(xp.uint8)
 
 
 def quantize(x: Array) -> tuple[Array, Array]:
@@ -73,7 +70,7 @@ def quantize(x: Array) -> tuple[Array, Array]:
     sb = scale_bytes(x32)
     lead, d = x32.shape[:-1], x32.shape[-1]
     g = x32.reshape(lead + (d // GROUP, GROUP)).astype(xp.float64)
-    scale = xp.ldexp(xp.ones(sb.shape, xp.float64), sb.astype(xp.int32) - 127)
+    scale = fp8.ue8m0_value(sb)
     with numpy.errstate(invalid="ignore", over="ignore"):
         scaled = (g / scale[..., None]).astype(xp.float32)
     codes = e2m1_encode(scaled).reshape(lead + (d,))
@@ -88,5 +85,5 @@ def dequantize(packed: Array, sb: Array) -> Array:
     codes[..., 0::2] = packed & 0xF
     codes[..., 1::2] = packed >> 4
     vals = e2m1_decode(codes).reshape(lead + (2 * half // GROUP, GROUP))
-    scale = xp.ldexp(xp.ones(sb.shape, xp.float64), sb.astype(xp.int32) - 127)
-    return (vals * scale[..., :2 * half // GROUP, None]).reshape(lead + (2 * half,))
+    return (vals * fp8.ue8m0_value(sb)[..., :2 * half // GROUP, None]).reshape(
+        lead + (2 * half,))

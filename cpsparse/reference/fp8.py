@@ -113,19 +113,31 @@ def to_float64(x: Array) -> Array:
     return xp.asarray(x).astype(xp.float64)
 
 
+def ceil_log2(s: Array) -> Array:
+    """int32 ``ceil(log2(s))`` of positive finite floats, exactly (through ``frexp``):
+    the exponent of the ue8m0 scale that rounds ``s`` up to a power of two."""
+    xp = xp_of(s)
+    with numpy.errstate(invalid="ignore"):
+        mant, exp = xp.frexp(s.astype(xp.float64))
+    # s = mant * 2**exp with mant in [0.5, 1): a power of two has mant 0.5.
+    return xp.where(mant == 0.5, exp - 1, exp).astype(xp.int32)
+
+
+def ue8m0_value(byte: Array) -> Array:
+    """float64 ``2 ** (byte - 127)`` of ue8m0 scale bytes (exact)."""
+    xp = xp_of(byte)
+    return xp.ldexp(xp.ones(byte.shape, xp.float64), byte.astype(xp.int32) - 127)
+
+
 def group_scales(amax: Array, eps: FloatLike, scale_fmt: ScaleFormat) -> Array:
     """float32 scales from float32 group maxima (see the module contract)."""
     xp = xp_of(amax)
     eps32 = float(numpy.float32(eps))
     s = (xp.maximum(amax.astype(xp.float64), eps32) / E4M3_MAX).astype(xp.float32)
     if scale_fmt == "ue8m0":
-        with numpy.errstate(invalid="ignore"):
-            mant, exp = xp.frexp(s.astype(xp.float64))
-        # s = mant * 2**exp with mant in [0.5, 1): a power of two has mant 0.5.
-        up = xp.ldexp(xp.ones_like(mant), exp.astype(xp.int32))
-        keep = (mant == 0.5) | ~xp.isfinite(s)          # an inf scale stays inf
-        s = xp.where(keep, s.astype(xp.float64), up).astype(xp.float32)
-    return s
+        up = xp.ldexp(xp.ones(s.shape, xp.float64), ceil_log2(s))
+        s = xp.where(xp.isfinite(s), up, s.astype(xp.float64)).astype(xp.float32)
+    return s                                             # (an inf scale stays inf)
 
 
 def quantize_groups(x: Array, block_size: int, scale_fmt: ScaleFormat,
