@@ -445,17 +445,29 @@ def _flashmla_compare(s, decode):
     return compare
 
 
-def run_mla_decode(s, w):
-    cp, cps, torch = s.cp, s.cps, s.torch
-    b, sq, h, ctx = w["B"], w["s_q"], w["H"], w["ctx"]
+def mla_decode_inputs(cp, cps, b, sq, h, ctx, topk=K, q_dtype=None, n_sets=2):
+    """The inputs of an ``mla_decode_*`` workload: an fp8_ds_mla cache of ``b`` requests
+    of ``ctx`` tokens on shuffled pages (valid records), and ``n_sets`` pairs (q
+    [b * sq, h, 576] of bf16-exact float16 values, or ``q_dtype``; global slots of
+    ``topk`` distinct positions a row)."""
     t, pages = b * sq, ctx // BS
     cache = cps.MLAKVCache(b * pages, BS, 512, 64, xp=cp)
     _fill_mla(cp, cache.records())
     table = cp.random.permutation(b * pages).astype(cp.int32).reshape(b, pages)
     req = cp.repeat(cp.arange(b, dtype=cp.int32), sq)
-    sets = [(_bf16_f16(cp, (t, h, D_QK)),
-             cps.local_to_global_slots(_positions(cp, t, ctx, K), req, table, BS))
-            for _ in range(2)]
+    sets = []
+    for _ in range(n_sets):
+        q = _bf16_f16(cp, (t, h, D_QK))
+        sets.append((q if q_dtype is None else q.astype(q_dtype),
+                     cps.local_to_global_slots(_positions(cp, t, ctx, topk), req, table, BS)))
+    return cache, sets
+
+
+def run_mla_decode(s, w):
+    cp, cps, torch = s.cp, s.cps, s.torch
+    b, sq, h, ctx = w["B"], w["s_q"], w["H"], w["ctx"]
+    t = b * sq
+    cache, sets = mla_decode_inputs(cp, cps, b, sq, h, ctx)
     scale = cps.softmax_scale(128, 64)
 
     def make_peer(fm):

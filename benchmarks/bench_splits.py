@@ -14,7 +14,7 @@ table. Results: benchmarks/results/splits.json (and $OUT/splits.json when set).
 """
 
 from benchmarks import harness
-from benchmarks.bench_peers import BS, _bf16_f16, _fill_mla, _positions
+from benchmarks.bench_peers import mla_decode_inputs
 from cpsparse import timing
 
 SHAPES = [(1, 1, 128), (8, 1, 128), (32, 1, 128), (64, 2, 64), (128, 1, 128)]
@@ -32,14 +32,8 @@ def main():
     scale = cpsparse.softmax_scale(128, 64)
     rows = []
     for b, sq, h in SHAPES:
-        t, pages = b * sq, CTX // BS
-        cache = cpsparse.MLAKVCache(b * pages, BS, 512, 64, xp=cp)
-        _fill_mla(cp, cache.records())
-        table = cp.random.permutation(b * pages).astype(cp.int32).reshape(b, pages)
-        req = cp.repeat(cp.arange(b, dtype=cp.int32), sq)
-        sets = [(_bf16_f16(cp, (t, h, 576)).astype(cp.float32),
-                 cpsparse.local_to_global_slots(_positions(cp, t, CTX, TOPK), req, table, BS))
-                for _ in range(2)]
+        t = b * sq
+        cache, sets = mla_decode_inputs(cp, cpsparse, b, sq, h, CTX, TOPK, cp.float32)
         units = t * -(-h // katt.HEADS_PER_CTA)
         chosen = katt.choose_splits(units, TOPK // 64, sms)
         recs = cache.records()

@@ -17,7 +17,8 @@ from cpsparse.raw_kernels import attention, indexer, quant, topk
 
 # (source, kernel name or the macro that declares a family of kernels, signature)
 DECLARED = [
-    ("attention.cu", "ATT_KERNEL", attention.ATTENTION_ARGS),
+    ("attention.cu", "cps_sparse_mla_bf16", attention.ATTENTION_ARGS),
+    ("attention.cu", "cps_sparse_mla_fp8", attention.ATTENTION_ARGS),
     ("attention.cu", "cps_f32_to_bf16", attention.TO_BF16_ARGS),
     ("attention.cu", "cps_f16_to_bf16", attention.TO_BF16_ARGS),
     ("attention.cu", "cps_local_to_global_slots", attention.SLOTS_ARGS),
@@ -54,6 +55,10 @@ def _declarations(source):
     for m in re.finditer(r"__global__\s+void\s+(.*?)\(([^()]*(?:\([^()]*\)[^()]*)*)\)\s*\{",
                          text, re.S):
         head, params = m.group(1), m.group(2)
+        if re.fullmatch(r"\s*\w+\s*", params):     # a parameter-list macro (ATT_PARAMS)
+            body = re.search(r"#define\s+" + params.strip() + r"\s+(.*?)\n\s*\n", text, re.S)
+            assert body, f"{source}: parameter list {params.strip()} is not a #define"
+            params = body.group(1)
         # the name is the last identifier before the parameter list (attributes first)
         name = re.findall(r"[\w#]+", head)[-1]
         if name == "NAME" or "##" in name:

@@ -1,16 +1,19 @@
 // Sparse MLA attention (DeepSeek-V3.2 DSA), FlashMLA-style, for CuPy inputs.
 //
-// One CTA of 256 threads (two warpgroups) per (query token, group of 64 heads,
-// split): with splits > 1 (split-KV decoding, chosen by the launcher when the
-// units would leave SMs idle) each CTA takes an equal share of the token's key
-// tiles and writes a normalised partial row and its lse, merged by
-// cps_mla_combine at the end of this file. The token's keys (top-k slots, or a
-// causal range for the dense route) are visited in tiles of 64:
-//   gather 64 key rows into shared memory as bf16 [64 x 576]
-//     - fp8_ds_mla cache: each 656-byte record is read into registers one tile
-//       ahead, dequantized (e4m3 code * fp32 group scale -> bf16; RoPE bf16 as is)
-//       and stored while the tensor cores run the previous QK^T;
-//     - dense bf16 rows: 16-byte cp.async, double buffered;
+// One CTA per (query token, group of 64 heads, split): with splits > 1 (split-KV
+// decoding, chosen by the launcher when the units would leave SMs idle) each CTA
+// takes an equal share of the token's key tiles and writes a normalised partial row
+// and its lse, merged by cps_mla_combine at the end of this file. Two math
+// warpgroups (256 threads) visit the token's keys (top-k slots, or a causal range
+// for the dense route) in tiles of 64, double buffered in shared memory as bf16
+// [64 x 576]:
+//   - dense bf16 rows (cps_sparse_mla_bf16, 256 threads): the math threads gather
+//     the next tile by 16-byte cp.async while they use the current one;
+//   - fp8_ds_mla cache (cps_sparse_mla_fp8, 384 threads): a third, producer
+//     warpgroup reads the 656-byte records (one warp load = 512 contiguous code
+//     bytes of one record), dequantizes them (e4m3 code * fp32 group scale -> bf16;
+//     RoPE bf16 as is, by cp.async) and hands each buffer over through named
+//     barriers, so the dequantization overlaps the math warpgroups' MMAs;
 //   S = Q K^T    (bf16 MMA, fp32 accumulate; warpgroup w owns keys 32w..32w+31)
 //   online softmax in base 2 (sm_scale * log2 e folded in), row max shared
 //   between the two warpgroups through shared memory;
@@ -30,7 +33,7 @@
 // wg holds heads 16wi + g (+8), g = lane / 4.
 // Shared cp.async / fence / wgmma helpers (cps_*): hopper.cuh.
 
-// ATT_THREADS and ATT_SMEM_BYTES are #defined by the launcher (raw_kernels/attention.py),
+// ATT_THREADS, ATT_WS_THREADS and ATT_SMEM_BYTES are #defined by the launcher (raw_kernels/attention.py),
 // which owns them; the tile layout below must fit ATT_SMEM_BYTES (static_assert).
 #define ATT_D 576
 #define ATT_DV 512
@@ -213,77 +216,168 @@ __device__ __forceinline__ bool att_gather_rows(u32 sk, u32 valid,
     return v;
 }
 
-// A quarter of one fp8_ds_mla record held in registers one tile ahead: thread
-// (row, sub) keeps the 16-byte code chunks sub + 4j and the 4 group scales; the
-// RoPE bytes go straight to shared memory by cp.async when the tile is stored.
-struct AttRaw {
+// ---- warp specialization (the fp8 kernel) ---------------------------------------------
+// The fp8 kernel runs three warpgroups: two math warpgroups (threads 0..255: QK^T,
+// softmax, PV, exactly as the bf16 kernel's 256 threads) and one producer warpgroup
+// (threads 256..383) that reads the records, dequantizes them into the two K buffers
+// and hands each over through named barriers, so dequantization overlaps the MMAs.
+// Barrier 0 (__syncthreads) is never used after the roles split:
+//   ATT_BAR_MATH       the 256 math threads (row max / sum exchange, Q ready);
+//   ATT_BAR_FULL + b   K buffer b stored (producer arrives, math threads wait);
+//   ATT_BAR_EMPTY + b  K buffer b read (math threads arrive, producer waits).
+#define ATT_BAR_MATH 1
+#define ATT_BAR_FULL 2
+#define ATT_BAR_EMPTY 4
+#define ATT_MATH_THREADS 256
+static_assert(ATT_WS_THREADS == ATT_MATH_THREADS + 128, "two math warpgroups + one producer");
+
+// Not the .aligned forms (bar.sync / bar.arrive): the producer reaches them after
+// branches on its rows' validity, where a warp need not be converged.
+__device__ __forceinline__ void att_bar_sync(int id, int n) {
+    asm volatile("barrier.sync %0, %1;\n" :: "r"(id), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ void att_bar_arrive(int id, int n) {
+    asm volatile("barrier.arrive %0, %1;\n" :: "r"(id), "r"(n) : "memory");
+}
+
+// bar.sync over n threads; returns whether any of them passed pred != 0.
+__device__ __forceinline__ int att_bar_or(int id, int n, int pred) {
+    int r;
+    asm volatile("{\n.reg .pred p, q;\nsetp.ne.s32 p, %1, 0;\n"
+                 "bar.red.or.pred q, %2, %3, p;\nselp.s32 %0, 1, 0, q;\n}\n"
+                 : "=r"(r) : "r"(pred), "r"(id), "r"(n) : "memory");
+    return r;
+}
+
+// Register budget per warpgroup (setmaxnreg, sm_90a): the producer gives registers
+// back to the CTA's pool, the math warpgroups (O alone is 128 fp32 a thread) take them.
+// The pool is what the CTA was launched with, 384 x 168 (the cap of
+// __launch_bounds__(384, 1), which ptxas uses: tests/test_kernel_compile.py checks);
+// an increase the pool cannot cover blocks forever, so the split must fit it exactly.
+#define ATT_PRODUCER_REGS 152
+#define ATT_MATH_REGS 176
+#define ATT_LAUNCH_REGS 168
+static_assert(128 * ATT_PRODUCER_REGS + 256 * ATT_MATH_REGS <= ATT_WS_THREADS * ATT_LAUNCH_REGS,
+              "setmaxnreg split exceeds the CTA's register pool");
+
+template <int N>
+__device__ __forceinline__ void att_setmaxnreg_dec() {
+#if CPS_HAS_WGMMA
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N));
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void att_setmaxnreg_inc() {
+#if CPS_HAS_WGMMA
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N));
+#endif
+}
+
+// Eight records' codes of a producer warp in registers (one pass): lane l holds the
+// 16-byte code chunk l (dims 16l..16l+15, scale group l / 8) of each of the 8 rows, so
+// one warp load reads 512 contiguous bytes of one record.
+struct AttPass {
     uint4 codes[8];
-    uint4 scales;
-    int slot;           // -1 when masked
+    float scales[8];
 };
 
-__device__ __forceinline__ void att_load_raw(AttRaw& r, const u8* __restrict__ kv,
-                                             const int* __restrict__ irow, int nk,
-                                             int num_slots, int tile, int grow, int gsub) {
-    // Branch-free (no divergent code between wgmma issue and wait): a masked row
-    // reads record 0 and is zeroed by selects.
-    const int j = tile * 64 + grow;
-    const int slot = __ldg(irow + min(j, nk - 1));
-    const bool v = j < nk && att_slot_ok(slot, num_slots);
-    r.slot = v ? slot : -1;
-    const uint4* rec = reinterpret_cast<const uint4*>(kv + (v ? (size_t)slot * ATT_REC_BYTES
-                                                             : (size_t)0));
-    uint4 x[9];
+// Rows of a pass: slots in lanes base..base+7 of `slots`; a masked row (-1) reads
+// nothing and stores zeros (the branch is uniform over the warp).
+__device__ __forceinline__ void att_load_pass(AttPass& r, const u8* __restrict__ kv, int slots,
+                                              int base, int lane) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = __ldg(rec + gsub + 4 * i);
-    x[8] = __ldg(rec + 32);
-#pragma unroll
-    for (int i = 0; i < 9; ++i) {
-        x[i].x = v ? x[i].x : 0u;
-        x[i].y = v ? x[i].y : 0u;
-        x[i].z = v ? x[i].z : 0u;
-        x[i].w = v ? x[i].w : 0u;
+    for (int k = 0; k < 8; ++k) {
+        const int slot = __shfl_sync(0xffffffffu, slots, base + k);
+        if (slot >= 0) {
+            const u8* rec = kv + (size_t)slot * ATT_REC_BYTES;
+            r.codes[k] = __ldg(reinterpret_cast<const uint4*>(rec) + lane);
+            r.scales[k] = __ldg(reinterpret_cast<const float*>(rec + 512) + (lane >> 3));
+        } else {
+            r.codes[k] = make_uint4(0u, 0u, 0u, 0u);
+            r.scales[k] = 0.f;
+        }
     }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) r.codes[i] = x[i];
-    r.scales = x[8];
 }
 
-// Pull one record (656 bytes, up to 7 lines of 128) into L2 ahead of its load:
-// thread sub of the row touches bytes 128 sub and 512 + 128 sub (the last at 655).
-__device__ __forceinline__ void att_prefetch_record(const u8* __restrict__ kv, int slot,
-                                                    int gsub) {
-    const u8* rec = kv + (size_t)slot * ATT_REC_BYTES;
-    asm volatile("prefetch.global.L2 [%0];\n" :: "l"(rec + 128 * gsub));
-    asm volatile("prefetch.global.L2 [%0];\n" :: "l"(rec + min(512 + 128 * gsub, 655)));
-}
-
-// Registers -> bf16 tile: code chunk c = sub + 4j holds dims 16c..16c+15, i.e.
-// block j, chunks 2 sub and 2 sub + 1 of it; scale group j / 2. The RoPE part
-// (block 8, chunks sub and sub + 4) is copied by cp.async (zero-fill if masked);
-// the caller waits for it before the next barrier.
-__device__ __forceinline__ void att_store_raw(const AttRaw& r, const u8* __restrict__ kv,
-                                              u32 sk, u32 valid, int grow, int gsub) {
-    const u32 dst = sk + grow * 128;
-    const int sw = grow & 7;
-    const bool v = r.slot >= 0;
-    const u8* rope = kv + (v ? (size_t)r.slot * ATT_REC_BYTES + 528 : (size_t)0);
-    cps_cp_async16(dst + 8 * ATT_BLK + ((gsub ^ sw) << 4), rope + 16 * gsub, v);
-    cps_cp_async16(dst + 8 * ATT_BLK + (((gsub + 4) ^ sw) << 4), rope + 16 * (gsub + 4), v);
-    const float sc[4] = {__uint_as_float(r.scales.x), __uint_as_float(r.scales.y),
-                         __uint_as_float(r.scales.z), __uint_as_float(r.scales.w)};
+// Registers -> bf16 rows row0..row0+7 of the tile at sk: chunk l lies in 64-dim block
+// l / 4, 16-byte chunks 2 (l % 4) and 2 (l % 4) + 1 of the swizzled row.
+__device__ __forceinline__ void att_store_pass(const AttPass& r, u32 sk, int row0, int lane) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const float s = sc[j >> 1];
+    for (int k = 0; k < 8; ++k) {
+        const int row = row0 + k, sw = row & 7;
         uint4 a, b;
-        att_dequant4(r.codes[j].x, s, a.x, a.y);
-        att_dequant4(r.codes[j].y, s, a.z, a.w);
-        att_dequant4(r.codes[j].z, s, b.x, b.y);
-        att_dequant4(r.codes[j].w, s, b.z, b.w);
-        att_st_v4(dst + j * ATT_BLK + (((2 * gsub) ^ sw) << 4), a);
-        att_st_v4(dst + j * ATT_BLK + (((2 * gsub + 1) ^ sw) << 4), b);
+        att_dequant4(r.codes[k].x, r.scales[k], a.x, a.y);
+        att_dequant4(r.codes[k].y, r.scales[k], a.z, a.w);
+        att_dequant4(r.codes[k].z, r.scales[k], b.x, b.y);
+        att_dequant4(r.codes[k].w, r.scales[k], b.z, b.w);
+        const u32 blk = sk + row * 128 + (lane >> 2) * ATT_BLK;
+        const int q = lane & 3;
+        att_st_v4(blk + (((2 * q) ^ sw) << 4), a);
+        att_st_v4(blk + (((2 * q + 1) ^ sw) << 4), b);
     }
-    att_st_s32(valid + 4 * grow, v);            // the row's 4 threads agree
+}
+
+// The 64 bf16 RoPE values (block 8) of the warp's 16 rows by cp.async (slot of row
+// row0 + k in lane k); zero-filled and unread when masked.
+__device__ __forceinline__ void att_copy_rope(const u8* __restrict__ kv, int slots, u32 sk,
+                                              int row0, int lane) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int idx = lane + 32 * j, k = idx >> 3, c = idx & 7;
+        const int slot = __shfl_sync(0xffffffffu, slots, k);
+        const bool v = slot >= 0;
+        const u8* rope = kv + (v ? (size_t)slot * ATT_REC_BYTES + 528 : (size_t)0);
+        const int row = row0 + k;
+        cps_cp_async16(sk + row * 128 + 8 * ATT_BLK + ((c ^ (row & 7)) << 4), rope + 16 * c, v);
+    }
+}
+
+// Pull one record (656 bytes, up to 7 lines of 128) into L2 ahead of its load: half 0
+// touches bytes 0..384, half 1 bytes 512, 640 and the last one, 655.
+__device__ __forceinline__ void att_prefetch_record(const u8* __restrict__ kv, int slot,
+                                                    int half) {
+    if (slot < 0) return;
+    const u8* rec = kv + (size_t)slot * ATT_REC_BYTES;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        asm volatile("prefetch.global.L2 [%0];\n"
+                     :: "l"(rec + (half ? min(512 + 128 * k, ATT_REC_BYTES - 1) : 128 * k)));
+}
+
+// The producer warpgroup: warp pw (0..3) owns rows 16 pw..16 pw+15 of every tile of
+// the share, in two passes of 8 rows; one pass is in flight while the other is
+// dequantized, and records three tiles ahead are pulled into L2. Lane l (and l + 16)
+// holds the slot of row 16 pw + l % 16.
+__device__ __forceinline__ void att_produce_fp8(const u8* __restrict__ kv,
+                                                const int* __restrict__ irow, int nk_end,
+                                                int num_slots, int t_first, int t_end,
+                                                u32 base, int p) {
+    const int lane = p & 31, row0 = (p >> 5) * 16, mine = row0 + (lane & 15);
+    AttPass a, b;
+    int slot = t_first < t_end ? att_slot(irow, 0, nk_end, t_first * 64 + mine, num_slots) : -1;
+    att_load_pass(a, kv, slot, 0, lane);
+    for (int t = t_first; t < t_end; ++t) {
+        const int buf = (t - t_first) & 1;
+        const u32 sk = base + ATT_OFF_K + buf * ATT_TILE;
+        const int next = t + 1 < t_end ? att_slot(irow, 0, nk_end, (t + 1) * 64 + mine, num_slots)
+                                       : -1;
+        const int ahead = t + 3 < t_end ? att_slot(irow, 0, nk_end, (t + 3) * 64 + mine,
+                                                   num_slots) : -1;
+        att_load_pass(b, kv, slot, 8, lane);
+        if (t - t_first >= 2) att_bar_sync(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);
+        att_copy_rope(kv, slot, sk, row0, lane);
+        if (lane < 16) att_st_s32(base + ATT_OFF_VALID + buf * 256 + 4 * mine, slot >= 0);
+        att_store_pass(a, sk, row0, lane);
+        att_prefetch_record(kv, ahead, lane >> 4);
+        att_load_pass(a, kv, next, 0, lane);
+        att_store_pass(b, sk, row0 + 8, lane);
+        cps_cp_async_wait_all();
+        cps_fence_proxy_async();                  // stores -> the async proxy (wgmma)
+        att_bar_arrive(ATT_BAR_FULL + buf, ATT_WS_THREADS);
+        slot = next;
+    }
 }
 
 // Issue S[64 heads x 32 keys of warpgroup wg] = Q K^T as 36 wgmma m64n32k16 (async).
@@ -301,75 +395,52 @@ __device__ __forceinline__ void att_qk_wgmma(float (&s)[16], u32 sq, u32 sk, int
     cps_wgmma_commit();
 }
 
-template <int KV_FP8>
-__device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
-                                         const u8* __restrict__ kv,
-                                         const int* __restrict__ indices, int topk,
-                                         int num_slots, const int* __restrict__ row_start,
-                                         const int* __restrict__ row_len,
-                                         float* __restrict__ out, float* __restrict__ lse,
-                                         int H, int d_v, float scale_log2, int splits,
-                                         float* __restrict__ part_out) {
-    extern __shared__ __align__(1024) u8 att_smem_raw[];
-    const u32 raw = cps_smem_u32(att_smem_raw);
-    const u32 base = (raw + 1023u) & ~1023u;
-    const u32 sq = base + ATT_OFF_Q;
-    const u32 sp = base + ATT_OFF_P;
-    const u32 s_max = base + ATT_OFF_MAX;         // float [2][64]
-    const u32 s_l = base + ATT_OFF_MAX;           // float [2][64], after the loop
-    const u32 s_valid = base + ATT_OFF_VALID;     // int [2][64]
+// This CTA's work: token, first head, heads, and its share [t_first, t_end) of the
+// token's key tiles (split-KV: keys past nk_end are masked at the load, so nothing of
+// another split is read).
+struct AttShare {
+    const int* irow;      // top-k row of the token, or nullptr for a causal range
+    int rbase, nk, tok, h0, nh, split, t_first, t_end, nk_end;
+};
 
-    const int tid = threadIdx.x;
-    const int lane = tid & 31, warp = tid >> 5;
-    const int wg = warp >> 2, wi = warp & 3;
-    const int g = lane >> 2, t4 = lane & 3;
-    const int grow = tid >> 2, gsub = tid & 3;
-
+__device__ __forceinline__ AttShare att_share(const int* __restrict__ indices, int topk,
+                                              const int* __restrict__ row_start,
+                                              const int* __restrict__ row_len, int H,
+                                              int splits) {
+    AttShare w;
     const int groups = (H + 63) >> 6;
     const int unit = blockIdx.x / splits;          // (token, head group)
-    const int split = blockIdx.x - unit * splits;  // which share of the token's keys
-    const int tok = unit / groups;
-    const int h0 = (unit - tok * groups) * 64;
-    const int nh = min(64, H - h0);
-
-    const int* irow = nullptr;
-    int rbase = 0, nk;
-    if (KV_FP8 || indices != nullptr) {          // the fp8 cache is always indexed
-        irow = indices + (size_t)tok * topk;
-        nk = topk;
+    w.split = blockIdx.x - unit * splits;          // which share of the token's keys
+    w.tok = unit / groups;
+    w.h0 = (unit - w.tok * groups) * 64;
+    w.nh = min(64, H - w.h0);
+    w.irow = nullptr;
+    w.rbase = 0;
+    if (indices != nullptr) {
+        w.irow = indices + (size_t)w.tok * topk;
+        w.nk = topk;
     } else {
-        rbase = row_start[tok];
-        nk = row_len[tok];
+        w.rbase = row_start[w.tok];
+        w.nk = row_len[w.tok];
     }
-    // Split-KV: this CTA takes tiles [t_first, t_end) of the token's keys; keys past
-    // its share are masked at the load (nk_end), so nothing of another split is read.
-    const int tiles_all = (nk + 63) >> 6;
+    const int tiles_all = (w.nk + 63) >> 6;
     const int per_split = (tiles_all + splits - 1) / splits;
-    const int t_first = min(tiles_all, split * per_split);
-    const int t_end = min(tiles_all, t_first + per_split);
-    const int nk_end = min(nk, t_end * 64);
+    w.t_first = min(tiles_all, w.split * per_split);
+    w.t_end = min(tiles_all, w.t_first + per_split);
+    w.nk_end = min(w.nk, w.t_end * 64);
+    return w;
+}
 
-    // ---- prologue: first key tile in flight, then Q -> bf16 shared --------------
-    // fp8 cache: records are read into registers (AttRaw) and dequantized into
-    // the other K buffer: stored while the tensor cores run QK^T, the next tile's
-    // records loaded while they run PV (one tile ahead, never both live at once).
-    AttRaw raw_next;
-    bool v_cur = false, v_next = false;
-    if (t_first < t_end) {
-        if (KV_FP8) {
-            att_load_raw(raw_next, kv, irow, nk_end, num_slots, t_first, grow, gsub);
-        } else {
-            v_next = att_gather_rows(base + ATT_OFF_K, s_valid, kv, irow, rbase, nk_end,
-                                     num_slots, t_first, grow, gsub);
-            cps_cp_async_commit();
-        }
-    }
+// Q rows of this CTA -> bf16 shared [64 x 576] (rows past nh zero), by the 256 math
+// threads; the caller fences and syncs them before the first QK^T.
+__device__ __forceinline__ void att_load_q(const void* __restrict__ q, int q_half,
+                                           const AttShare& w, int H, u32 sq, int tid) {
 #pragma unroll 3
-    for (int i = tid; i < 64 * 72; i += ATT_THREADS) {
+    for (int i = tid; i < 64 * 72; i += ATT_MATH_THREADS) {
         const int r = i / 72, c = i - r * 72;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (r < nh) {
-            const size_t off = ((size_t)tok * H + h0 + r) * ATT_D + (size_t)c * 8;
+        if (r < w.nh) {
+            const size_t off = ((size_t)w.tok * H + w.h0 + r) * ATT_D + (size_t)c * 8;
             if (q_half) {
                 const uint4 h = __ldg(reinterpret_cast<const uint4*>(
                     reinterpret_cast<const u16*>(q) + off));
@@ -385,142 +456,100 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
         }
         att_st_v4(sq + (c >> 3) * ATT_BLK + r * 128 + (((c & 7) ^ (r & 7)) << 4), v);
     }
-    if (KV_FP8 && t_first < t_end) {
-        att_store_raw(raw_next, kv, base + ATT_OFF_K, s_valid, grow, gsub);
-        v_cur = raw_next.slot >= 0;
-        att_load_raw(raw_next, kv, irow, nk_end, num_slots, t_first + 1, grow, gsub);
-    }
+}
 
-    // ---- main loop over key tiles ------------------------------------------------
+// Running state of a math thread: O (heads r0, r1 of its warp, 256 output columns of
+// its warpgroup), row max and sum.
+struct AttRows {
     float o[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] = 0.f;
-    float m0 = ATT_NEG_INF, m1 = ATT_NEG_INF, l0 = 0.f, l1 = 0.f;
-    const int r0 = wi * 16 + g, r1 = r0 + 8;
+    float m0, m1, l0, l1;
+};
 
-    for (int it = t_first; it < t_end; ++it) {
-        const int buf = (it - t_first) & 1;
-        const u32 sk = base + ATT_OFF_K + buf * ATT_TILE;
-        const u32 sk_next = base + ATT_OFF_K + (buf ^ 1) * ATT_TILE;
-        int any;
-        int pf_slot = 0;
-        if (KV_FP8) {
-            cps_cp_async_wait_all();              // RoPE part of this tile
-            cps_fence_proxy_async();
-            any = __syncthreads_or(v_cur);
-            pf_slot = __ldg(irow + min((it + 3) * 64 + grow, nk_end - 1));
-            pf_slot = att_slot_ok(pf_slot, num_slots) ? pf_slot : 0;   // prefetch in bounds
-        } else {
-            cps_cp_async_wait_all();
-            cps_fence_proxy_async();
-            any = __syncthreads_or(v_next);
-            if (it + 1 < t_end) {
-                v_next = att_gather_rows(sk_next, s_valid + (buf ^ 1) * 256, kv, irow, rbase,
-                                         nk_end, num_slots, it + 1, grow, gsub);
-                cps_cp_async_commit();
-            }
-        }
-
-        float s[16];
-        if (KV_FP8) {
-            // Straight-line code between wgmma issue and wait (no divergent path, so
-            // ptxas keeps the wgmmas asynchronous). Past the last tile the store and
-            // load are harmless: nobody reads that buffer, masked rows load nothing new.
-            if (any) {
-                att_qk_wgmma(s, sq, sk, wg);
-                att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
-                v_cur = raw_next.slot >= 0;
-                att_prefetch_record(kv, pf_slot, gsub);     // tile it + 3 -> L2
-                cps_wgmma_wait<0>();
-                cps_fence_regs(s);
-            } else {
-                att_store_raw(raw_next, kv, sk_next, s_valid + (buf ^ 1) * 256, grow, gsub);
-                v_cur = raw_next.slot >= 0;
-                att_load_raw(raw_next, kv, irow, nk_end, num_slots, it + 2, grow, gsub);
-                continue;
-            }
-        } else {
-            if (!any) continue;                   // every key of this tile is masked
-            att_qk_wgmma(s, sq, sk, wg);
-            cps_wgmma_wait<0>();
-            cps_fence_regs(s);
-        }
-
-        // ---- online softmax (base 2) --------------------------------------------
-        const u32 vld = s_valid + buf * 256;
-        float mx0 = ATT_NEG_INF, mx1 = ATT_NEG_INF;
+// One key tile after S = Q K^T of it is in s (valid flags at vld): mask, online
+// softmax in base 2 (row max shared between the warpgroups through s_max, P through
+// sp), O = alpha O + P V with V the first 512 columns of the tile at sk.
+__device__ __forceinline__ void att_softmax_pv(float (&s)[16], AttRows& st, u32 vld, u32 s_max,
+                                               u32 sp, u32 sk, float scale_log2, int wg,
+                                               int r0, int r1, int g, int t4) {
+    float mx0 = ATT_NEG_INF, mx1 = ATT_NEG_INF;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int key = wg * 32 + 8 * j + 2 * t4;
-            const bool va = att_ld_s32(vld + 4 * key) != 0;
-            const bool vb = att_ld_s32(vld + 4 * key + 4) != 0;
-            s[4 * j + 0] = va ? s[4 * j + 0] * scale_log2 : ATT_NEG_INF;
-            s[4 * j + 1] = vb ? s[4 * j + 1] * scale_log2 : ATT_NEG_INF;
-            s[4 * j + 2] = va ? s[4 * j + 2] * scale_log2 : ATT_NEG_INF;
-            s[4 * j + 3] = vb ? s[4 * j + 3] * scale_log2 : ATT_NEG_INF;
-            mx0 = fmaxf(mx0, fmaxf(s[4 * j + 0], s[4 * j + 1]));
-            mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        if (t4 == 0) {
-            att_st_f32(s_max + 4 * (wg * 64 + r0), mx0);
-            att_st_f32(s_max + 4 * (wg * 64 + r1), mx1);
-        }
-        __syncthreads();
-        mx0 = fmaxf(mx0, att_ld_f32(s_max + 4 * ((wg ^ 1) * 64 + r0)));
-        mx1 = fmaxf(mx1, att_ld_f32(s_max + 4 * ((wg ^ 1) * 64 + r1)));
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-        const float ms0 = mn0 == ATT_NEG_INF ? 0.f : mn0;
-        const float ms1 = mn1 == ATT_NEG_INF ? 0.f : mn1;
-        const float al0 = att_ex2(m0 - ms0), al1 = att_ex2(m1 - ms1);   // 0 when m was -inf
-        m0 = mn0;
-        m1 = mn1;
-        float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float p0 = att_ex2(s[4 * j + 0] - ms0), p1 = att_ex2(s[4 * j + 1] - ms0);
-            const float p2 = att_ex2(s[4 * j + 2] - ms1), p3 = att_ex2(s[4 * j + 3] - ms1);
-            ps0 += p0 + p1;
-            ps1 += p2 + p3;
-            const int cc = 4 * wg + j;
-            att_st_b32(sp + r0 * 128 + ((cc ^ g) << 4) + 4 * t4, att_pack_bf16(p0, p1));
-            att_st_b32(sp + r1 * 128 + ((cc ^ g) << 4) + 4 * t4, att_pack_bf16(p2, p3));
-        }
-        l0 = l0 * al0 + ps0;
-        l1 = l1 * al1 + ps1;
-        cps_fence_proxy_async();                  // P -> the async proxy (wgmma)
-        // The barrier also tells whether any row's running max moved (alpha != 1);
-        // if none did, the rescale of O is skipped.
-        const int rescale = __syncthreads_or(al0 != 1.f || al1 != 1.f);
-
-        // ---- O = alpha O + P V ----------------------------------------------------
-        if (rescale) {
-#pragma unroll
-            for (int n = 0; n < 32; ++n) {
-                o[4 * n + 0] *= al0;
-                o[4 * n + 1] *= al0;
-                o[4 * n + 2] *= al1;
-                o[4 * n + 3] *= al1;
-            }
-        }
-        cps_fence_regs(o);
-        cps_wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-            att_wgmma_m64n256_kmn(o, cps_wgmma_desc(sp + ks * 32, 16, 1024),
-                                  cps_wgmma_desc(sk + wg * 4 * ATT_BLK + ks * 2048, ATT_BLK, 1024),
-                                  1);
-        }
-        cps_wgmma_commit();
-        if (KV_FP8) att_load_raw(raw_next, kv, irow, nk_end, num_slots, it + 2, grow, gsub);
-        cps_wgmma_wait<0>();
-        cps_fence_regs(o);
+    for (int j = 0; j < 4; ++j) {
+        const int key = wg * 32 + 8 * j + 2 * t4;
+        const bool va = att_ld_s32(vld + 4 * key) != 0;
+        const bool vb = att_ld_s32(vld + 4 * key + 4) != 0;
+        s[4 * j + 0] = va ? s[4 * j + 0] * scale_log2 : ATT_NEG_INF;
+        s[4 * j + 1] = vb ? s[4 * j + 1] * scale_log2 : ATT_NEG_INF;
+        s[4 * j + 2] = va ? s[4 * j + 2] * scale_log2 : ATT_NEG_INF;
+        s[4 * j + 3] = vb ? s[4 * j + 3] * scale_log2 : ATT_NEG_INF;
+        mx0 = fmaxf(mx0, fmaxf(s[4 * j + 0], s[4 * j + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
     }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    if (t4 == 0) {
+        att_st_f32(s_max + 4 * (wg * 64 + r0), mx0);
+        att_st_f32(s_max + 4 * (wg * 64 + r1), mx1);
+    }
+    att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);
+    mx0 = fmaxf(mx0, att_ld_f32(s_max + 4 * ((wg ^ 1) * 64 + r0)));
+    mx1 = fmaxf(mx1, att_ld_f32(s_max + 4 * ((wg ^ 1) * 64 + r1)));
+    const float mn0 = fmaxf(st.m0, mx0), mn1 = fmaxf(st.m1, mx1);
+    const float ms0 = mn0 == ATT_NEG_INF ? 0.f : mn0;
+    const float ms1 = mn1 == ATT_NEG_INF ? 0.f : mn1;
+    const float al0 = att_ex2(st.m0 - ms0), al1 = att_ex2(st.m1 - ms1);   // 0 when m was -inf
+    st.m0 = mn0;
+    st.m1 = mn1;
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float p0 = att_ex2(s[4 * j + 0] - ms0), p1 = att_ex2(s[4 * j + 1] - ms0);
+        const float p2 = att_ex2(s[4 * j + 2] - ms1), p3 = att_ex2(s[4 * j + 3] - ms1);
+        ps0 += p0 + p1;
+        ps1 += p2 + p3;
+        const int cc = 4 * wg + j;
+        att_st_b32(sp + r0 * 128 + ((cc ^ g) << 4) + 4 * t4, att_pack_bf16(p0, p1));
+        att_st_b32(sp + r1 * 128 + ((cc ^ g) << 4) + 4 * t4, att_pack_bf16(p2, p3));
+    }
+    st.l0 = st.l0 * al0 + ps0;
+    st.l1 = st.l1 * al1 + ps1;
+    cps_fence_proxy_async();                  // P -> the async proxy (wgmma)
+    // The barrier also tells whether any row's running max moved (alpha != 1);
+    // if none did, the rescale of O is skipped.
+    const int rescale = att_bar_or(ATT_BAR_MATH, ATT_MATH_THREADS, al0 != 1.f || al1 != 1.f);
+    if (rescale) {
+#pragma unroll
+        for (int n = 0; n < 32; ++n) {
+            st.o[4 * n + 0] *= al0;
+            st.o[4 * n + 1] *= al0;
+            st.o[4 * n + 2] *= al1;
+            st.o[4 * n + 3] *= al1;
+        }
+    }
+    cps_fence_regs(st.o);
+    cps_wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        att_wgmma_m64n256_kmn(st.o, cps_wgmma_desc(sp + ks * 32, 16, 1024),
+                              cps_wgmma_desc(sk + wg * 4 * ATT_BLK + ks * 2048, ATT_BLK, 1024),
+                              1);
+    }
+    cps_wgmma_commit();
+    cps_wgmma_wait<0>();
+    cps_fence_regs(st.o);
+}
 
-    // ---- epilogue: normalise, write out [T, H, d_v] and lse [T, H] ---------------
+// Normalise and write out [T, H, d_v] and lse [T, H] (natural log), or with splits > 1
+// this split's normalised partial rows [T, H, splits, d_v] and, right after them in the
+// same scratch buffer (one allocation), the partial lse [T, H, splits] for
+// cps_mla_combine. L == 0: no valid key (out 0, lse -inf); a NaN score makes L NaN,
+// and NaN flows into out and lse (never the "no valid key" marker).
+__device__ __forceinline__ void att_write_rows(AttRows& st, const AttShare& w, u32 s_l,
+                                               float* __restrict__ out, float* __restrict__ lse,
+                                               float* __restrict__ part_out, int H, int d_v,
+                                               int splits, int wg, int r0, int r1, int t4) {
+    float l0 = st.l0, l1 = st.l1;
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -529,53 +558,146 @@ __device__ __forceinline__ void att_body(const void* __restrict__ q, int q_half,
         att_st_f32(s_l + 4 * (wg * 64 + r0), l0);
         att_st_f32(s_l + 4 * (wg * 64 + r1), l1);
     }
-    __syncthreads();
+    att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);
     const float L0 = att_ld_f32(s_l + 4 * r0) + att_ld_f32(s_l + 4 * (64 + r0));
     const float L1 = att_ld_f32(s_l + 4 * r1) + att_ld_f32(s_l + 4 * (64 + r1));
-    // L == 0: no valid key (out 0, lse -inf). A NaN score makes L NaN, and NaN flows
-    // into out and lse (never the "no valid key" marker).
     const float inv0 = L0 == 0.f ? 0.f : 1.f / L0;
     const float inv1 = L1 == 0.f ? 0.f : 1.f / L1;
-    // One split: the final rows. Several: this split's normalised partial rows
-    // [T, H, splits, d_v] and, right after them in the same scratch buffer (one
-    // allocation), the partial lse [T, H, splits]; cps_mla_combine merges them.
+    const int groups = (H + 63) >> 6;
     const size_t part_rows = (size_t)(gridDim.x / splits / groups) * H * splits;
     float* const dst = splits == 1 ? out : part_out;
     float* const dst_lse = splits == 1 ? lse : part_out + part_rows * d_v;
-    float* out0 = dst + (((size_t)tok * H + h0 + r0) * splits + split) * d_v;
-    float* out1 = dst + (((size_t)tok * H + h0 + r1) * splits + split) * d_v;
+    float* out0 = dst + (((size_t)w.tok * H + w.h0 + r0) * splits + w.split) * d_v;
+    float* out1 = dst + (((size_t)w.tok * H + w.h0 + r1) * splits + w.split) * d_v;
 #pragma unroll
     for (int n = 0; n < 32; ++n) {
         const int c = wg * 256 + 8 * n + 2 * t4;
         if (c < d_v) {
-            if (r0 < nh)
-                *reinterpret_cast<float2*>(out0 + c) = make_float2(o[4 * n] * inv0,
-                                                                   o[4 * n + 1] * inv0);
-            if (r1 < nh)
-                *reinterpret_cast<float2*>(out1 + c) = make_float2(o[4 * n + 2] * inv1,
-                                                                   o[4 * n + 3] * inv1);
+            if (r0 < w.nh)
+                *reinterpret_cast<float2*>(out0 + c) = make_float2(st.o[4 * n] * inv0,
+                                                                   st.o[4 * n + 1] * inv0);
+            if (r1 < w.nh)
+                *reinterpret_cast<float2*>(out1 + c) = make_float2(st.o[4 * n + 2] * inv1,
+                                                                   st.o[4 * n + 3] * inv1);
         }
     }
     if (wg == 0 && t4 == 0) {
-        float* lrow = dst_lse + ((size_t)tok * H + h0) * splits + split;
-        if (r0 < nh) lrow[r0 * splits] = L0 == 0.f ? ATT_NEG_INF : m0 * ATT_LN2 + logf(L0);
-        if (r1 < nh) lrow[r1 * splits] = L1 == 0.f ? ATT_NEG_INF : m1 * ATT_LN2 + logf(L1);
+        float* lrow = dst_lse + ((size_t)w.tok * H + w.h0) * splits + w.split;
+        if (r0 < w.nh) lrow[r0 * splits] = L0 == 0.f ? ATT_NEG_INF : st.m0 * ATT_LN2 + logf(L0);
+        if (r1 < w.nh) lrow[r1 * splits] = L1 == 0.f ? ATT_NEG_INF : st.m1 * ATT_LN2 + logf(L1);
     }
 }
 
-#define ATT_KERNEL(NAME, FP8)                                                               \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1)                            \
-    NAME(const void* __restrict__ q, int q_half, const u8* __restrict__ kv,                 \
-         const int* __restrict__ indices, int topk, int num_slots,                          \
-         const int* __restrict__ row_start, const int* __restrict__ row_len,                \
-         float* __restrict__ out, float* __restrict__ lse, int H, int d_v,                  \
-         float scale_log2, int splits, float* __restrict__ part_out) {                      \
-        att_body<FP8>(q, q_half, kv, indices, topk, num_slots, row_start, row_len, out,     \
-                      lse, H, d_v, scale_log2, splits, part_out);                           \
-    }
+__device__ __forceinline__ void att_rows_init(AttRows& st) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) st.o[i] = 0.f;
+    st.m0 = ATT_NEG_INF;
+    st.m1 = ATT_NEG_INF;
+    st.l0 = 0.f;
+    st.l1 = 0.f;
+}
 
-ATT_KERNEL(cps_sparse_mla_fp8, 1)
-ATT_KERNEL(cps_sparse_mla_bf16, 0)
+#define ATT_PARAMS                                                                          \
+    const void* __restrict__ q, int q_half, const u8* __restrict__ kv,                      \
+        const int* __restrict__ indices, int topk, int num_slots,                           \
+        const int* __restrict__ row_start, const int* __restrict__ row_len,                 \
+        float* __restrict__ out, float* __restrict__ lse, int H, int d_v, float scale_log2, \
+        int splits, float* __restrict__ part_out
+
+// Dense bf16 rows (the workspace of the dense and sparse routes): 256 threads, each
+// gathering a quarter row of the next tile by cp.async while the current one is used.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) cps_sparse_mla_bf16(ATT_PARAMS) {
+    extern __shared__ __align__(1024) u8 att_smem_raw[];
+    const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
+    const u32 sq = base + ATT_OFF_Q, sp = base + ATT_OFF_P;
+    const u32 s_max = base + ATT_OFF_MAX, s_valid = base + ATT_OFF_VALID;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wi = warp & 3;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int grow = tid >> 2, gsub = tid & 3;
+    const int r0 = wi * 16 + g, r1 = r0 + 8;
+    const AttShare w = att_share(indices, topk, row_start, row_len, H, splits);
+
+    bool v_next = false;
+    if (w.t_first < w.t_end) {
+        v_next = att_gather_rows(base + ATT_OFF_K, s_valid, kv, w.irow, w.rbase, w.nk_end,
+                                 num_slots, w.t_first, grow, gsub);
+        cps_cp_async_commit();
+    }
+    att_load_q(q, q_half, w, H, sq, tid);
+    AttRows st;
+    att_rows_init(st);
+    for (int it = w.t_first; it < w.t_end; ++it) {
+        const int buf = (it - w.t_first) & 1;
+        const u32 sk = base + ATT_OFF_K + buf * ATT_TILE;
+        cps_cp_async_wait_all();
+        cps_fence_proxy_async();
+        const int any = att_bar_or(ATT_BAR_MATH, ATT_MATH_THREADS, v_next);
+        if (it + 1 < w.t_end) {
+            v_next = att_gather_rows(base + ATT_OFF_K + (buf ^ 1) * ATT_TILE,
+                                     s_valid + (buf ^ 1) * 256, kv, w.irow, w.rbase, w.nk_end,
+                                     num_slots, it + 1, grow, gsub);
+            cps_cp_async_commit();
+        }
+        if (!any) continue;                       // every key of this tile is masked
+        float s[16];
+        att_qk_wgmma(s, sq, sk, wg);
+        cps_wgmma_wait<0>();
+        cps_fence_regs(s);
+        att_softmax_pv(s, st, s_valid + buf * 256, s_max, sp, sk, scale_log2, wg, r0, r1, g, t4);
+    }
+    att_write_rows(st, w, s_max, out, lse, part_out, H, d_v, splits, wg, r0, r1, t4);
+}
+
+// The fp8_ds_mla cache: warp-specialized (see "warp specialization" above).
+extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_fp8(ATT_PARAMS) {
+    extern __shared__ __align__(1024) u8 att_smem_raw[];
+    const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
+    const u32 sq = base + ATT_OFF_Q, sp = base + ATT_OFF_P;
+    const u32 s_max = base + ATT_OFF_MAX, s_valid = base + ATT_OFF_VALID;
+    const int tid = threadIdx.x;
+    const AttShare w = att_share(indices, topk, nullptr, nullptr, H, splits);
+    if (tid >= ATT_MATH_THREADS) {
+        att_setmaxnreg_dec<ATT_PRODUCER_REGS>();
+        att_produce_fp8(kv, w.irow, w.nk_end, num_slots, w.t_first, w.t_end, base,
+                        tid - ATT_MATH_THREADS);
+        return;
+    }
+    att_setmaxnreg_inc<ATT_MATH_REGS>();
+    const int lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wi = warp & 3;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int r0 = wi * 16 + g, r1 = r0 + 8;
+    att_load_q(q, q_half, w, H, sq, tid);
+    cps_fence_proxy_async();
+    att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);
+    AttRows st;
+    att_rows_init(st);
+    for (int it = w.t_first; it < w.t_end; ++it) {
+        const int buf = (it - w.t_first) & 1;
+        const u32 sk = base + ATT_OFF_K + buf * ATT_TILE;
+        const u32 vld = s_valid + buf * 256;
+        att_bar_sync(ATT_BAR_FULL + buf, ATT_WS_THREADS);
+        // Whether any key of the tile is valid (this thread's 8 keys, then all 64).
+        int mine = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int key = wg * 32 + 8 * j + 2 * t4;
+            mine |= att_ld_s32(vld + 4 * key) | att_ld_s32(vld + 4 * key + 4);
+        }
+        if (att_bar_or(ATT_BAR_MATH, ATT_MATH_THREADS, mine)) {
+            float s[16];
+            att_qk_wgmma(s, sq, sk, wg);
+            cps_wgmma_wait<0>();
+            cps_fence_regs(s);
+            att_softmax_pv(s, st, vld, s_max, sp, sk, scale_log2, wg, r0, r1, g, t4);
+        }
+        if (it + 2 < w.t_end) att_bar_arrive(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);
+    }
+    att_write_rows(st, w, s_max, out, lse, part_out, H, d_v, splits, wg, r0, r1, t4);
+}
+
 
 // Merge the splits of split-KV decoding: one CTA per (token, head) row.
 //   lse = log sum_s exp(lse_s),  out = sum_s exp(lse_s - lse) out_s
