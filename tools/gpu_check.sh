@@ -3,6 +3,7 @@
 # profile, the kernel benchmarks and the side-by-side peer benchmark. Logs and JSON go
 # under $OUT (default ./gpu_out). Usage:
 #   bash tools/gpu_check.sh [all|tests|bounds|profile|bench|peers]... [-- arguments...]
+# "profile" is the host-time profile and the attention kernel's ablations.
 # "bounds" times the public ops with this tree and with the tree in .baseline/ (copy
 # the code before a change there: git archive <rev> cpsparse | tar -x -C .baseline).
 # "bench" takes benchmark module names after "--"; "peers" passes them to bench_peers
@@ -37,13 +38,20 @@ if want bounds && [ -d .baseline/cpsparse ]; then
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want tests; then
-    python3 -m pytest -m gpu -q -p no:cacheprovider -rs --junitxml="$OUT/gpu_tests.xml" \
+    # A kernel that deadlocks (a named barrier or a setmaxnreg split gone wrong) would
+    # otherwise hold the machine until the call's limit: the suite takes ~110 s.
+    timeout "${GPU_TESTS_TIMEOUT:-360}" \
+        python3 -m pytest -m gpu -q -p no:cacheprovider -rs --junitxml="$OUT/gpu_tests.xml" \
         2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want profile; then
     python3 -m benchmarks.profile_host > "$OUT/profile_host.log" 2>&1 || status=1
     head -40 "$OUT/profile_host.log"
+    # Where the fp8 decode kernel's time goes (source ablations, see the module).
+    timeout 300 python3 -m benchmarks.profile_attention 2>&1 | tee "$OUT/profile_attention.log" \
+        | tail -30
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want bench; then
     mods=("$@")

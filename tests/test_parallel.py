@@ -1,0 +1,240 @@
+"""Decode context parallelism through a process group (issue 22): ranks simulated by
+threads on the CPU, each holding its own shard of the paged caches, against the
+unsharded ops. The same code runs over NCCL (tests/test_gpu_parallel.py)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import cpsparse
+from cpsparse import parallel as P
+from cpsparse.reference import context_parallel as dcp
+from test_context_parallel import _rows
+
+LAYOUTS = [(1, 1), (2, 1), (3, 1), (4, 1), (2, 4), (3, 5), (8, 2)]
+
+
+def test_all_gather_stacks_the_ranks_in_order():
+    got = P.ThreadGroup.run(4, lambda g: g.all_gather(np.full((2, 3), g.rank, np.int32)))
+    for out in got:
+        assert out.shape == (4, 2, 3)
+        assert (out == np.arange(4)[:, None, None]).all()
+
+
+def test_all_gather_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match="Invalid all_gather: rank 1 gave"):
+        P.ThreadGroup.run(2, lambda g: g.all_gather(np.zeros(g.rank + 1)))
+
+
+def test_a_failing_rank_fails_the_run_without_deadlock():
+    def fn(g):
+        if g.rank == 2:
+            raise KeyError("rank 2 failed")
+        return g.all_gather(np.zeros(1))
+    with pytest.raises(KeyError, match="rank 2 failed"):
+        P.ThreadGroup.run(3, fn, timeout=5)
+    assert threading.active_count() < 50
+
+
+def test_group_without_all_gather_is_refused():
+    with pytest.raises(TypeError, match="Invalid group"):
+        P.dcp_merge_attention(object(), np.zeros((1, 1, 2), np.float32),
+                              np.zeros((1, 1), np.float32))
+
+
+@pytest.mark.parametrize("world,interleave", LAYOUTS)
+def test_local_indices_invert_the_shard_layout(world, interleave):
+    pos = np.array([[-1, 0, 1, 2, 3, 17, 63, 64, 100, 999]], np.int32)
+    owners = np.zeros(pos.shape, np.int64)
+    for r in range(world):
+        loc = P.dcp_local_indices(pos, r, world, interleave=interleave)
+        assert loc.dtype == np.int32
+        held = loc >= 0
+        owners += held
+        assert np.array_equal(dcp.dcp_to_global(loc[held], r, world, interleave), pos[held])
+    assert np.array_equal(owners, (pos >= 0).astype(np.int64))   # each position once
+    with pytest.raises(TypeError, match="integer"):
+        P.dcp_local_indices(pos.astype(np.float32), 0, world)
+
+
+@pytest.mark.parametrize("world,interleave", LAYOUTS)
+@pytest.mark.parametrize("k", [1, 8, 32])
+def test_dcp_topk_equals_the_unsharded_top_k(world, interleave, k):
+    rng = np.random.default_rng(world * 31 + interleave * 7 + k)
+    m, n = 10, 90
+    logits = _rows(rng, m, n)          # exact ties, -inf, NaN
+    lens = np.array([0, 1, k, k + 1, 2 * k, 33, 64, 89, 90, 5])
+    # a row's logits past its length are garbage a shard may still hold
+    want = cpsparse.topk_per_row(logits, np.zeros(m, np.int32), lens.astype(np.int32), k)
+
+    def rank(g):
+        mine = np.ascontiguousarray(P.shard_rows(logits, g.rank, g.world, interleave=interleave))
+        local_lens = dcp.dcp_local_lens(lens, g.rank, g.world, interleave)
+        return P.dcp_topk_per_row(g, mine, local_lens, lens, k, interleave=interleave)
+
+    for got in P.ThreadGroup.run(world, rank):
+        assert got.dtype == np.int32
+        assert np.array_equal(got, want)
+
+
+def test_dcp_topk_with_a_rank_holding_no_key():
+    logits = np.array([[1.0, 5.0, 3.0]], np.float32)
+    lens = np.array([3])
+
+    def rank(g):      # 4 ranks, 3 tokens: rank 3 holds nothing (an empty shard)
+        mine = np.ascontiguousarray(P.shard_rows(logits, g.rank, g.world))
+        return P.dcp_topk_per_row(g, mine, dcp.dcp_local_lens(lens, g.rank, g.world),
+                                  lens, 2)
+    # a row of 3 > k = 2 keys: the two largest, largest first
+    for got in P.ThreadGroup.run(4, rank):
+        assert got.tolist() == [[1, 2]]
+
+
+def test_dcp_topk_can_fail():
+    """Without the merge (a rank's local top-k mapped back), rows differ: the check
+    above would notice a merge that dropped the other ranks' candidates."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((4, 64)).astype(np.float32)
+    lens = np.full(4, 64)
+    want = cpsparse.topk_per_row(logits, np.zeros(4, np.int32), lens.astype(np.int32), 8)
+    mine = np.ascontiguousarray(P.shard_rows(logits, 0, 2))
+    local = cpsparse.topk_per_row(mine, np.zeros(4, np.int32), np.full(4, 32, np.int32), 8)
+    assert not np.array_equal(dcp.dcp_to_global(local, 0, 2), want)
+
+
+def decode_step_case(xp, world, interleave, run=P.ThreadGroup.run, group=None):
+    """One DCP decode step (3 requests, fp8 caches of 16-token pages): the unsharded
+    top-k rows and attention, and what every rank got. ``xp`` is numpy or cupy;
+    ``run`` runs the ranks (threads here; NCCL processes pass ``group`` instead)."""
+    rng = np.random.default_rng(world * 10 + interleave)
+    bs, k, heads = 16, 24, 4
+    lens = np.array([5, 40, 77])
+    b = lens.size
+    latent = [(rng.standard_normal((n, 512)).astype(np.float32),
+               rng.standard_normal((n, 64)).astype(np.float32)) for n in lens]
+    logits = rng.standard_normal((b, int(lens.max()))).astype(np.float32)
+    q = (rng.standard_normal((b, heads, 576)) * 0.2).astype(np.float32)
+    scale = 0.06
+    ids = np.arange(b, dtype=np.int32)
+
+    def paged(tokens_per_req, seed):
+        """A cache holding each request's tokens on its own shuffled pages."""
+        pages = [-(-int(n) // bs) for n in tokens_per_req]
+        order = np.random.default_rng(seed).permutation(sum(pages)).astype(np.int32)
+        table = np.full((b, max(max(pages), 1)), -1, np.int32)
+        at = 0
+        for r, p in enumerate(pages):
+            table[r, :p] = order[at:at + p]
+            at += p
+        return cpsparse.MLAKVCache(max(sum(pages), 1), bs, 512, 64, xp=xp), xp.asarray(table)
+
+    def fill(cache, table, pick):
+        for r, (kv_c, k_pe) in enumerate(latent):
+            glob = pick(r)
+            pos = xp.asarray(np.arange(glob.size, dtype=np.int32)[None])
+            slots = cpsparse.local_to_global_slots(pos, xp.asarray(ids[r:r + 1]), table, bs)
+            cache.insert(xp.asarray(kv_c[glob]), xp.asarray(k_pe[glob]), slots[0])
+
+    whole, table = paged(lens, 0)
+    fill(whole, table, lambda r: np.arange(lens[r]))
+    want_rows = cpsparse.topk_per_row(xp.asarray(logits), xp.zeros(b, dtype=xp.int32),
+                                      xp.asarray(lens.astype(np.int32)), k)
+    want_slots = cpsparse.local_to_global_slots(want_rows, xp.asarray(ids), table, bs)
+    want = cpsparse.sparse_mla_attention(xp.asarray(q), whole, want_slots, scale)
+
+    def rank(g):
+        local_lens = dcp.dcp_local_lens(lens, g.rank, g.world, interleave)
+        cache, ltable = paged(local_lens, 100 + g.rank)
+        fill(cache, ltable,
+             lambda r: dcp.dcp_to_global(np.arange(local_lens[r]), g.rank, g.world, interleave))
+        width = max(1, int(local_lens.max()))
+        glob = dcp.dcp_to_global(np.arange(width), g.rank, g.world, interleave)
+        mine = np.full((b, width), -np.inf, np.float32)
+        ok = glob < logits.shape[1]
+        mine[:, ok] = logits[:, glob[ok]]
+        rows = P.dcp_topk_per_row(g, xp.asarray(mine), xp.asarray(local_lens),
+                                  xp.asarray(lens), k, interleave=interleave)
+        loc = P.dcp_local_indices(rows, g.rank, g.world, interleave=interleave)
+        slots = cpsparse.local_to_global_slots(loc, xp.asarray(ids), ltable, bs)
+        out, lse = cpsparse.sparse_mla_attention(xp.asarray(q), cache, slots, scale)
+        return rows, P.dcp_merge_attention(g, out, lse)
+
+    got = [rank(group)] if group is not None else run(world, rank)
+    return want_rows, want, got
+
+
+def check_decode_step(xp, want_rows, want, got):
+    to_np = (lambda a: a.get()) if xp is not np else np.asarray
+    for rows, (out, lse) in got:
+        assert np.array_equal(to_np(rows), to_np(want_rows))
+        assert out.dtype == np.float32 and lse.dtype == np.float32
+        # float32 partials and their merge: the rounding is all that differs
+        np.testing.assert_allclose(to_np(out), to_np(want[0]), rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(to_np(lse), to_np(want[1]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("world,interleave", [(1, 1), (2, 1), (3, 1), (4, 2)])
+def test_dcp_decode_step_equals_one_rank(world, interleave):
+    """Each rank holds its shard of every request on its own pages; the global top-k
+    of the step and the attention over it match the unsharded cache and ops."""
+    check_decode_step(np, *decode_step_case(np, world, interleave))
+
+
+def _pcp_positions(total, rank, world, layout):
+    """The prompt tokens rank ``rank`` holds: contiguous chunks, or vLLM's head-tail
+    split (2 * world chunks; rank r takes chunks r and 2 * world - 1 - r, which balances
+    the causal work)."""
+    if layout == "contiguous":
+        edges = np.linspace(0, total, world + 1).astype(int)
+        return np.arange(edges[rank], edges[rank + 1])
+    edges = np.linspace(0, total, 2 * world + 1).astype(int)
+    a, b = rank, 2 * world - 1 - rank
+    return np.concatenate([np.arange(edges[a], edges[a + 1]), np.arange(edges[b], edges[b + 1])])
+
+
+def test_pcp_all_gather_refuses_a_bad_cover():
+    def rank(g):       # both ranks claim token 0, nobody token 1
+        return P.pcp_all_gather(g, np.zeros((1, 2)), np.array([0]), 2)
+    with pytest.raises(ValueError, match=r"cover \[0, 2\) exactly once"):
+        P.ThreadGroup.run(2, rank)
+    with pytest.raises(ValueError, match="Invalid shape of positions"):
+        P.ThreadGroup.run(1, lambda g: P.pcp_all_gather(g, np.zeros((2, 2)), np.array([0]), 2))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_pcp_prefill_top_k_equals_one_rank(world, layout):
+    """A 150-token prompt split across ranks: each rank quantizes its own tokens' indexer
+    keys, the codes and scales are gathered in prompt order, and every rank's causal
+    top-k rows for its queries equal the single-rank rows."""
+    rng = np.random.default_rng(world * 3 + len(layout))
+    total, heads, k = 150, 8, 32
+    keys = rng.standard_normal((total, 128)).astype(np.float32)
+    q = rng.standard_normal((total, heads, 128)).astype(np.float32)
+    weights = rng.standard_normal((total, heads)).astype(np.float32)
+
+    def indexer_rows(q_rows, pos, k_codes, k_scales):
+        q8, qs = cpsparse.quantize_fp8(q_rows)
+        w = cpsparse.fold_weights(weights[pos], qs)
+        ks = np.zeros(pos.size, np.int32)
+        ke = (pos + 1).astype(np.int32)
+        logits = cpsparse.mqa_logits(q8, k_codes, k_scales[:, 0], w, ks, ke)
+        return cpsparse.topk_per_row(logits, ks, ke, k)
+
+    k8, ksc = cpsparse.quantize_fp8(keys)
+    want = indexer_rows(q, np.arange(total), k8, ksc)
+
+    def rank(g):
+        pos = _pcp_positions(total, g.rank, g.world, layout)
+        mine8, mine_sc = cpsparse.quantize_fp8(keys[pos])   # per token: same bytes
+        all8 = P.pcp_all_gather(g, mine8, pos, total)
+        all_sc = P.pcp_all_gather(g, mine_sc, pos, total)
+        assert np.array_equal(all8, k8) and np.array_equal(all_sc, ksc)
+        return pos, indexer_rows(q[pos], pos, all8, all_sc)
+
+    covered = np.zeros(total, bool)
+    for pos, rows in P.ThreadGroup.run(world, rank):
+        assert np.array_equal(rows, want[pos])
+        covered[pos] = True
+    assert covered.all()
