@@ -422,6 +422,13 @@ class DeepseekV32MLA:
         :attr:`skip_topk` still starts False.)
     use_pcp : bool
         Prefill context parallelism (disables the skip).
+    pcp_group : process group, optional
+        With ``use_pcp``: the ranks a prompt is split across (a
+        :class:`cpsparse.parallel.NcclGroup` or ``ThreadGroup``). Each rank then
+        calls :meth:`forward` with the same (prefill-only) batch, its share of the
+        tokens (``pcp_tokens``) and their hidden states; the latents and indexer keys
+        are gathered so every rank's caches hold the whole prompt, each rank scores and
+        attends its own tokens only, and its rows and outputs are one GPU's.
     platform : object with ``is_cuda()``, optional
         Default: detected (CUDA when CuPy sees a device).
     weights : dict, optional
@@ -452,9 +459,16 @@ class DeepseekV32MLA:
     """
 
     def __init__(self, config, layer_name, *, is_mtp_layer=False, skip_topk=False,
-                 use_pcp=False, platform=None, weights=None, seed=0, xp=numpy):
+                 use_pcp=False, platform=None, weights=None, seed=0, xp=numpy,
+                 pcp_group=None):
         if not isinstance(config, MLAConfig):
             raise TypeError(f"Invalid config: expected MLAConfig, got {type(config).__qualname__}")
+        if pcp_group is not None and not use_pcp:
+            raise ValueError("Invalid pcp_group: a process group needs use_pcp=True")
+        if pcp_group is not None and is_mtp_layer:
+            raise ValueError("Invalid pcp_group: MTP layers reuse their top-k rows across "
+                             "draft steps, which prefill context parallelism does not keep")
+        self.pcp_group = pcp_group
         self.config = config
         self.layer_name = str(layer_name)
         self.is_mtp_layer = bool(is_mtp_layer)
@@ -605,8 +619,9 @@ class DeepseekV32MLA:
 
     # ---- forward -------------------------------------------------------------
 
-    def _check_forward(self, hidden_states, ctx):
-        """Everything forward() needs, before it writes a cache page or a buffer row."""
+    def _check_forward(self, hidden_states, ctx, rows=None):
+        """Everything forward() needs, before it writes a cache page or a buffer row
+        (``rows``: the hidden-state rows expected, default the batch's tokens)."""
         c = self.config
         if self.mla_cache is None:
             raise RuntimeError(f"{self.layer_name}: call allocate_kv_cache() before forward()")
@@ -621,9 +636,10 @@ class DeepseekV32MLA:
                             num_blocks=cache.num_blocks, xp=self.xp,
                             owner=f"the caches of layer {self.layer_name!r}")
         tokens = batch.num_tokens
-        if hidden_states.ndim != 2 or hidden_states.shape[0] < tokens or \
+        rows = tokens if rows is None else rows
+        if hidden_states.ndim != 2 or hidden_states.shape[0] < rows or \
                 hidden_states.shape[1] != c.hidden_size:
-            raise ValueError(f"Invalid shape of hidden_states: expected [>= {tokens}, "
+            raise ValueError(f"Invalid shape of hidden_states: expected [>= {rows}, "
                              f"{c.hidden_size}], got {tuple(hidden_states.shape)}")
         V.check_array("hidden_states", hidden_states, dtype=V.FLOAT_DTYPES, contiguous=False)
         if self.topk_indices_buffer.shape[0] < tokens:
@@ -637,37 +653,126 @@ class DeepseekV32MLA:
             raise RuntimeError(f"{self.layer_name}: reusing top-k rows for {tokens} tokens, "
                                f"but only {self._reusable_topk_rows} rows were kept")
 
-    def forward(self, hidden_states, *, forward_context=None):
+    def forward(self, hidden_states, *, forward_context=None, pcp_tokens=None):
         """Attention output [T, hidden] for the batch of the forward context.
 
         Every argument is checked first (the batch against this layer's caches:
         block_size, index_topk, page ids in range): a call that raises has
         written no cache page and no buffer row.
+
+        With a ``pcp_group`` (prefill context parallelism), ``pcp_tokens`` are the
+        batch tokens of this rank (sorted; the ranks' shares cover the batch once),
+        ``hidden_states`` their rows, and the result their rows of the output.
         """
         ctx = get_forward_context() if forward_context is None else forward_context
+        if self.pcp_group is not None:
+            return self._forward_pcp(hidden_states, ctx, pcp_tokens)
+        if pcp_tokens is not None:
+            raise ValueError("Invalid pcp_tokens: this layer has no pcp_group")
         self._check_forward(hidden_states, ctx)
         batch = ctx.batch
         xp, c = self.xp, self.config
         tokens = batch.num_tokens
         x = xp.asarray(hidden_states[:tokens], dtype=xp.float32)
-        positions = batch.positions
-        h, r, lora = c.num_heads, c.qk_rope_head_dim, c.kv_lora_rank
+        q_c, q_full, kv_c, k_pe = self._project(x, batch.positions)
+        self.mla_cache.insert_core(kv_c, k_pe, batch.slot_mapping)
+        latent = self._fused_attention(x, q_c, q_full, batch, ctx)
+        return self._output(latent)
 
+    def _project(self, x, positions):
+        """(q_c, absorbed queries [T, H, L + R], kv_c, k_pe) of the tokens ``x``."""
+        xp, c = self.xp, self.config
+        tokens = x.shape[0]
+        h, lora = c.num_heads, c.kv_lora_rank
         q_c = _rms_norm(xp, x @ self.q_a_proj, self.q_a_layernorm, c.rms_norm_eps)
         q = (q_c @ self.q_b_proj).reshape(tokens, h, c.qk_head_dim)
         kv = x @ self.kv_a_proj
         kv_c = _rms_norm(xp, kv[:, :lora], self.kv_a_layernorm, c.rms_norm_eps)
         k_pe = _rope(xp, kv[:, lora:], positions, c.rope_theta, True)
         q_pe = _rope(xp, q[..., c.qk_nope_head_dim:], positions, c.rope_theta, True)
-        self.mla_cache.insert_core(kv_c, xp.ascontiguousarray(k_pe), batch.slot_mapping)
         # [T, H, nope] x [H, nope, L] -> [T, H, L]
         q_abs = xp.matmul(q[..., :c.qk_nope_head_dim].transpose(1, 0, 2), self.w_uk)
         q_full = xp.ascontiguousarray(
             xp.concatenate([q_abs.transpose(1, 0, 2), q_pe], axis=-1), dtype=xp.float32)
+        return q_c, q_full, xp.ascontiguousarray(kv_c), xp.ascontiguousarray(k_pe)
 
-        latent = self._fused_attention(x, q_c, q_full, batch, ctx)
+    def _output(self, latent):
+        xp, c = self.xp, self.config
         out = xp.matmul(latent.transpose(1, 0, 2), self.w_uv).transpose(1, 0, 2)
-        return (out.reshape(tokens, h * c.v_head_dim) @ self.o_proj).astype(xp.float32)
+        return (out.reshape(latent.shape[0], c.num_heads * c.v_head_dim)
+                @ self.o_proj).astype(xp.float32)
+
+    def _check_pcp_tokens(self, hidden_states, ctx, pcp_tokens):
+        if pcp_tokens is None:
+            raise ValueError("Invalid pcp_tokens: a layer with a pcp_group needs this "
+                             "rank's batch tokens")
+        own = pcp_tokens.get() if _backend.is_cupy_array(pcp_tokens) \
+            else numpy.asarray(pcp_tokens)
+        tokens = ctx.batch.num_tokens
+        if own.ndim != 1 or own.dtype.kind not in "iu":
+            raise ValueError(f"Invalid pcp_tokens: expected a 1-D integer array, got "
+                             f"{own.dtype}{list(own.shape)}")
+        own = own.astype(numpy.int64)
+        if own.size and (own[0] < 0 or own[-1] >= tokens or (numpy.diff(own) <= 0).any()):
+            raise ValueError(f"Invalid pcp_tokens: expected increasing token indices in "
+                             f"[0, {tokens}), got {own.tolist()[:8]}...")
+        if ctx.batch.num_decode_tokens:
+            raise ValueError(f"Invalid batch: prefill context parallelism takes prefill-only "
+                             f"batches, got {ctx.batch.num_decode_tokens} decode tokens")
+        if self._skip_topk:
+            raise RuntimeError(f"{self.layer_name}: top-k reuse under prefill context "
+                               f"parallelism is not supported")
+        return own
+
+    def _forward_pcp(self, hidden_states, ctx, pcp_tokens):
+        """forward() of one rank under prefill context parallelism."""
+        from cpsparse.parallel import pcp_all_gather
+        if not isinstance(ctx, ForwardContext):
+            raise TypeError(f"Invalid forward_context: expected ForwardContext, got "
+                            f"{type(ctx).__qualname__}")
+        own = self._check_pcp_tokens(hidden_states, ctx, pcp_tokens)
+        batch = ctx.batch
+        xp, c, group = self.xp, self.config, self.pcp_group
+        tokens = batch.num_tokens
+        # The batch is checked as one GPU would (caches, buffer); the rows are ours.
+        self._check_forward(hidden_states, ctx, rows=own.size)
+        own_d = xp.asarray(own)
+        x = xp.asarray(hidden_states[:own.size], dtype=xp.float32)
+        q_c, q_full, kv_c, k_pe = self._project(x, batch.positions[own_d])
+        # Gathered before any write: a bad cover raises on every rank, nothing written.
+        kv_c_all = pcp_all_gather(group, kv_c, own_d, tokens)
+        k_pe_all = pcp_all_gather(group, k_pe, own_d, tokens)
+        self.mla_cache.insert_core(kv_c_all, k_pe_all, batch.slot_mapping)
+        if self.indexer is not None:
+            q_codes, w, k = self.indexer.queries_keys(xp, x, q_c, batch.positions[own_d])
+            k_all = pcp_all_gather(group, k, own_d, tokens)
+            self._rows_written = self._reusable_topk_rows = None     # no reuse under PCP
+            sparse_attn_indexer_core(
+                xp, q_codes, w, k_all, self.indexer_cache, batch, self.topk_indices_buffer,
+                skip_k_cache_insert=False, use_pcp=True,
+                dense_mha_metadata_layer_name=self._dense_mha_metadata_layer_name,
+                skip_topk_buffer_clear=False, forward_context=ctx, stats=self.indexer.stats,
+                query_rows=own)
+        mla = ctx.attn_metadata.get(self.layer_name, batch.mla)
+        self.attention_stats.forwards += 1
+        if mla.dense_prefill:
+            # Causal attention over all of each token's request keys (<= index_topk of
+            # them on this route), as a sparse call over the causal positions: the same
+            # keys and softmax as the dense route, for this rank's tokens only.
+            pos = batch.positions[own_d].astype(xp.int64)
+            cols = xp.arange(c.index_topk, dtype=xp.int64)[None, :]
+            rows = xp.where(cols <= pos[:, None], cols, -1).astype(xp.int32)
+            self.attention_stats.dense_tokens += own.size
+        else:
+            rows = self.topk_indices_buffer[own_d]
+            self.attention_stats.buffer_rows_read += own.size
+            self.attention_stats.sparse_tokens += own.size
+        slots = local_to_global_slots_core(xp, rows, batch.req_ids[own_d], batch.block_table,
+                                           c.block_size)
+        cache = self.mla_cache
+        latent, _ = sparse_mla_attention_core(xp, q_full, cache.records(), cache.decode_records,
+                                              slots, c.sm_scale, c.kv_lora_rank)
+        return self._output(latent)
 
     __call__ = forward
 

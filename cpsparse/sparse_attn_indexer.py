@@ -7,6 +7,8 @@ device-to-host copy or sync on the way (value checks read the metadata's host
 copies), so a decode step can be captured in a CUDA graph.
 """
 
+import numpy
+
 from cpsparse import _backend
 from cpsparse import _validation as V
 from cpsparse.cache import IndexerKCache
@@ -180,10 +182,15 @@ def sparse_attn_indexer(q_codes, weights, k, k_cache, metadata, topk_indices_buf
 
 def sparse_attn_indexer_core(xp, q_codes, weights, k, k_cache, metadata, topk_indices_buffer,
                              *, skip_k_cache_insert, use_pcp, dense_mha_metadata_layer_name,
-                             skip_topk_buffer_clear, forward_context, stats):
+                             skip_topk_buffer_clear, forward_context, stats, query_rows=None):
     """:func:`sparse_attn_indexer` on arguments already validated (the layer checks its
     batch once per forward and calls this): no checks, no host reads. ``use_pcp`` has no
-    effect in one process (see :func:`sparse_attn_indexer`)."""
+    effect in one process (see :func:`sparse_attn_indexer`).
+
+    ``query_rows`` (prefill context parallelism, a prefill-only batch): host int64, the
+    sorted batch tokens this rank scores; ``q_codes`` and ``weights`` hold those rows
+    only, ``k`` every token's key (gathered), and only those rows of the buffer are
+    written (the others are left -1)."""
     _, heads, dim = q_codes.shape
     skip = _short_prefill_skip(dense_mha_metadata_layer_name, forward_context, xp)
     tokens = metadata.num_tokens
@@ -224,12 +231,22 @@ def sparse_attn_indexer_core(xp, q_codes, weights, k, k_cache, metadata, topk_in
     if metadata.prefill is not None:
         for chunk in metadata.prefill.chunks:
             t0, t1 = chunk.token_start, chunk.token_end
+            if query_rows is None:
+                lo, hi, ks, ke = t0, t1, chunk.ks, chunk.ke
+            else:       # this rank's rows of the chunk: local rows [lo, hi) of q_codes
+                lo, hi = (int(i) for i in numpy.searchsorted(query_rows, (t0, t1)))
+                if lo == hi:
+                    continue
+                mine = xp.asarray(query_rows[lo:hi])
+                ks, ke = chunk.ks[mine - t0], chunk.ke[mine - t0]
             codes, scales = k_cache.gather_core(xp, chunk.block_table, chunk.cu_seq_lens,
                                                 chunk.cu_seq_lens_host, chunk.key_req_ids)
-            logits = mqa_logits_core(xp, xp.ascontiguousarray(q_codes[t0:t1]), codes, scales,
-                                     xp.ascontiguousarray(weights[t0:t1]), chunk.ks, chunk.ke)
-            topk_per_row_core(xp, logits, chunk.ks, chunk.ke, topk,
-                              topk_indices_buffer[t0:t1])
-            stats.prefill_rows += t1 - t0
+            logits = mqa_logits_core(xp, xp.ascontiguousarray(q_codes[lo:hi]), codes, scales,
+                                     xp.ascontiguousarray(weights[lo:hi]), ks, ke)
+            if query_rows is None:
+                topk_per_row_core(xp, logits, ks, ke, topk, topk_indices_buffer[t0:t1])
+            else:
+                topk_indices_buffer[mine] = topk_per_row_core(xp, logits, ks, ke, topk, None)
+            stats.prefill_rows += hi - lo
             stats.prefill_chunks += 1
     return topk_indices_buffer

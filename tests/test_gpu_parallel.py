@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cpsparse import parallel as P
-from test_parallel import check_decode_step, decode_step_case
+from test_parallel import check_decode_step, decode_step_case, pcp_layer_case
 
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).parent
@@ -68,3 +68,16 @@ def test_pcp_all_gather_on_the_gpu():
         return P.pcp_all_gather(g, x[pos], pos, total)
     for got in P.ThreadGroup.run(3, rank):
         assert bool((got == x).all())
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_pcp_layer_on_the_gpu(world):
+    """The PCP layer on CuPy (the kernels) against one rank on CuPy."""
+    import cupy
+    metas, want, ranks = pcp_layer_case(world, [([50, 30], [0, 0]), ([40, 60], [50, 30])],
+                                        xp=cupy)
+    for got in ranks:
+        own, y, rows, _ = got[1]
+        assert np.array_equal(rows, want[1][1][own])
+        np.testing.assert_allclose(y, want[1][0][own], rtol=1e-3,
+                                   atol=1e-4 * np.abs(want[1][0]).max())

@@ -238,3 +238,100 @@ def test_pcp_prefill_top_k_equals_one_rank(world, layout):
         assert np.array_equal(rows, want[pos])
         covered[pos] = True
     assert covered.all()
+
+
+def pcp_layer_case(world, steps, xp=np):
+    """Run the prefill ``steps`` [(q_lens, ctx_lens)] through one layer on one rank and
+    through ``world`` PCP ranks (head-tail shares); returns both sides per step, as
+    NumPy arrays (the layers run on ``xp``)."""
+    from cpsparse.metadata import ForwardContext, build_batch
+    from cpsparse.mla import DeepseekV32MLA, MLAConfig
+    from cpsparse.platform import StaticPlatform
+
+    cfg = MLAConfig.small()
+    name = "layers.0.attn"
+    table = np.random.default_rng(7).permutation(40).astype(np.int32).reshape(2, 20)
+    metas = [build_batch(q, c, xp.asarray(table), block_size=cfg.block_size,
+                         index_topk=cfg.index_topk) for q, c in steps]
+    host = (lambda a: a.get()) if xp is not np else np.asarray
+    xs = [np.random.default_rng(10 + i).standard_normal((m.num_tokens, cfg.hidden_size))
+          .astype(np.float32) for i, m in enumerate(metas)]
+
+    def layer(**kw):
+        lay = DeepseekV32MLA(cfg, name, platform=StaticPlatform(cuda=False), seed=3, xp=xp,
+                             **kw)
+        lay.allocate_kv_cache(40, max_num_tokens=256)
+        return lay
+
+    one = layer()
+    want = []
+    for m, x in zip(metas, xs):
+        y = one.forward(xp.asarray(x), forward_context=ForwardContext.for_layers(m, [name]))
+        want.append((host(y), host(one.topk_indices_buffer[:m.num_tokens])))
+
+    def rank(g):
+        lay = layer(use_pcp=True, pcp_group=g)
+        got = []
+        for m, x in zip(metas, xs):
+            own = _pcp_positions(m.num_tokens, g.rank, g.world, "head_tail")
+            y = lay.forward(xp.asarray(x[own]),
+                            forward_context=ForwardContext.for_layers(m, [name]),
+                            pcp_tokens=own)
+            got.append((own, host(y), host(lay.topk_indices_buffer[xp.asarray(own)]),
+                        lay.attention_stats))
+        return got
+
+    return metas, want, P.ThreadGroup.run(world, rank)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_pcp_layer_equals_one_rank_on_the_sparse_route(world):
+    """A prompt prefilled in two steps (the second longer than index_topk: the sparse
+    route), each step's tokens split across ranks: every rank's top-k rows and outputs
+    for its tokens are one rank's."""
+    metas, want, ranks = pcp_layer_case(world, [([50, 30], [0, 0]), ([40, 60], [50, 30])])
+    assert not metas[1].mla.prefill.use_dense_mha
+    for got in ranks:
+        for step, ((own, y, rows, stats), (y_want, rows_want)) in enumerate(zip(got, want)):
+            if step == 1:                       # the sparse step: rows scored by this rank
+                assert np.array_equal(rows, rows_want[own])
+            np.testing.assert_allclose(y, y_want[own], rtol=1e-4,
+                                       atol=1e-5 * np.abs(y_want).max())
+        assert got[1][3].sparse_tokens >= got[1][0].size
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pcp_layer_equals_one_rank_on_the_dense_route(world):
+    """Prompts no longer than index_topk: one rank takes the dense route (no skip on a
+    PCP layer: the gate is off); the ranks attend their tokens' causal keys."""
+    metas, want, ranks = pcp_layer_case(world, [([40, 23], [0, 0])])
+    assert metas[0].mla.prefill.use_dense_mha
+    for got in ranks:
+        own, y, _, stats = got[0]
+        np.testing.assert_allclose(y, want[0][0][own], rtol=1e-4,
+                                   atol=1e-5 * np.abs(want[0][0]).max())
+        assert stats.dense_tokens == own.size and stats.buffer_rows_read == 0
+
+
+def test_pcp_layer_refusals():
+    from cpsparse.metadata import ForwardContext, build_batch
+    from cpsparse.mla import DeepseekV32MLA, MLAConfig
+    from cpsparse.platform import StaticPlatform
+    cfg = MLAConfig.small()
+    with pytest.raises(ValueError, match="needs use_pcp=True"):
+        DeepseekV32MLA(cfg, "l", pcp_group=object())
+    table = np.arange(20, dtype=np.int32)[None]
+    meta = build_batch([1], [30], table, block_size=cfg.block_size, index_topk=cfg.index_topk)
+    ctx = ForwardContext.for_layers(meta, ["l"])
+
+    def rank(g):
+        lay = DeepseekV32MLA(cfg, "l", use_pcp=True, pcp_group=g,
+                             platform=StaticPlatform(cuda=False))
+        lay.allocate_kv_cache(20, max_num_tokens=8)
+        x = np.zeros((1, cfg.hidden_size), np.float32)
+        with pytest.raises(ValueError, match="pcp_tokens"):
+            lay.forward(x, forward_context=ctx)
+        with pytest.raises(ValueError, match="prefill-only"):
+            lay.forward(x, forward_context=ctx, pcp_tokens=np.array([0]))
+        return True
+    assert P.ThreadGroup.run(1, rank) == [True]
