@@ -860,6 +860,8 @@ class DeepseekV32AttentionStack:
         ``numpy`` or ``cupy``.
     prefix : str
         First part of the layer names.
+    use_pcp, pcp_group :
+        Passed to every layer (prefill context parallelism; :class:`DeepseekV32MLA`).
 
     Examples
     --------
@@ -871,7 +873,7 @@ class DeepseekV32AttentionStack:
     """
 
     def __init__(self, config, num_layers, *, num_blocks, max_num_tokens, platform=None,
-                 seed=0, xp=numpy, prefix="layers"):
+                 seed=0, xp=numpy, prefix="layers", use_pcp=False, pcp_group=None):
         if not isinstance(config, MLAConfig):
             raise TypeError(f"Invalid config: expected MLAConfig, got {type(config).__qualname__}")
         num_layers = V.check_positive_int("num_layers", num_layers)
@@ -887,7 +889,7 @@ class DeepseekV32AttentionStack:
         for i in range(num_layers):
             layer = DeepseekV32MLA(config, f"{prefix}.{i}.attn",
                                    skip_topk=not config.layer_scores(i), platform=platform,
-                                   seed=seed + i, xp=xp)
+                                   seed=seed + i, xp=xp, use_pcp=use_pcp, pcp_group=pcp_group)
             layer.allocate_kv_cache(num_blocks, topk_indices_buffer=self.topk_indices_buffer)
             self.layers.append(layer)
 
@@ -895,11 +897,14 @@ class DeepseekV32AttentionStack:
     def layer_names(self):
         return [layer.layer_name for layer in self.layers]
 
-    def forward(self, hidden_states, *, forward_context=None):
+    def forward(self, hidden_states, *, forward_context=None, pcp_tokens=None):
+        """The stack's output rows: the batch's tokens, or with a ``pcp_group`` this
+        rank's ``pcp_tokens`` (see :meth:`DeepseekV32MLA.forward`)."""
         ctx = get_forward_context() if forward_context is None else forward_context
-        x = hidden_states[:ctx.batch.num_tokens]
+        rows = ctx.batch.num_tokens if pcp_tokens is None else len(pcp_tokens)
+        x = hidden_states[:rows]
         for layer in self.layers:
-            x = x + layer.forward(x, forward_context=ctx)
+            x = x + layer.forward(x, forward_context=ctx, pcp_tokens=pcp_tokens)
         return x
 
     __call__ = forward

@@ -335,3 +335,35 @@ def test_pcp_layer_refusals():
             lay.forward(x, forward_context=ctx, pcp_tokens=np.array([0]))
         return True
     assert P.ThreadGroup.run(1, rank) == [True]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pcp_stack_with_index_sharing_equals_one_rank(world):
+    """A stack of three layers (layer 1 shares layer 0's rows) under PCP: each rank's
+    rows of the stack's output are one rank's; the sharing layer reads the rows its
+    rank's scoring layer wrote."""
+    from cpsparse.metadata import ForwardContext, build_batch
+    from cpsparse.mla import DeepseekV32AttentionStack, MLAConfig
+    from cpsparse.platform import StaticPlatform
+    cfg = MLAConfig.small(index_topk_freq=2)
+    table = np.random.default_rng(1).permutation(40).astype(np.int32).reshape(2, 20)
+    meta = build_batch([70, 45], [0, 0], table, block_size=cfg.block_size,
+                       index_topk=cfg.index_topk)
+    assert not meta.mla.prefill.use_dense_mha
+    x = np.random.default_rng(2).standard_normal((meta.num_tokens, cfg.hidden_size)) \
+        .astype(np.float32)
+
+    def stack(**kw):
+        return DeepseekV32AttentionStack(cfg, 3, num_blocks=40, max_num_tokens=128,
+                                         platform=StaticPlatform(cuda=False), seed=5, **kw)
+    one = stack()
+    ctx = ForwardContext.for_layers(meta, one.layer_names)
+    want = one.forward(x, forward_context=ctx)
+    assert one.layers[1].indexer is None
+
+    def rank(g):
+        s = stack(use_pcp=True, pcp_group=g)
+        own = _pcp_positions(meta.num_tokens, g.rank, g.world, "head_tail")
+        return own, s.forward(x[own], forward_context=ctx, pcp_tokens=own)
+    for own, y in P.ThreadGroup.run(world, rank):
+        np.testing.assert_allclose(y, want[own], rtol=1e-4, atol=1e-5 * np.abs(want).max())
