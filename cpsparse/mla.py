@@ -459,8 +459,8 @@ class DeepseekV32MLA:
     """
 
     def __init__(self, config, layer_name, *, is_mtp_layer=False, skip_topk=False,
-                 use_pcp=False, platform=None, weights=None, seed=0, xp=numpy,
-                 pcp_group=None):
+                 use_pcp=False, pcp_group=None, platform=None, weights=None, seed=0,
+                 xp=numpy):
         if not isinstance(config, MLAConfig):
             raise TypeError(f"Invalid config: expected MLAConfig, got {type(config).__qualname__}")
         if pcp_group is not None and not use_pcp:
@@ -860,8 +860,10 @@ class DeepseekV32AttentionStack:
         ``numpy`` or ``cupy``.
     prefix : str
         First part of the layer names.
-    use_pcp, pcp_group :
+    use_pcp : bool
         Passed to every layer (prefill context parallelism; :class:`DeepseekV32MLA`).
+    pcp_group : process group, optional
+        Passed to every layer with ``use_pcp``.
 
     Examples
     --------
