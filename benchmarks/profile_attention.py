@@ -60,6 +60,13 @@ def main(names=None):
     from cpsparse import raw_kernels, timing
     from cpsparse.raw_kernels import attention as katt
 
+    def forget_compiled():
+        """Drop the compiled modules, bound kernels and launch plans (the next launch
+        compiles the current source)."""
+        raw_kernels._COMPILED.clear()
+        raw_kernels._KERNELS.clear()
+        katt._PLANS.clear()
+
     names = names or list(VARIANTS)
     original = raw_kernels.module_source
     base = original("attention")
@@ -74,9 +81,7 @@ def main(names=None):
             src = variant_source(base, name)
             raw_kernels.module_source = (
                 lambda module, src=src: src if module == "attention" else original(module))
-            raw_kernels._COMPILED.clear()
-            raw_kernels._KERNELS.clear()
-            katt._PLANS.clear()
+            forget_compiled()
             for key, recs, sets in inputs:
                 def call(q, slots, recs=recs):
                     return katt.sparse_mla_attention(cp, q, recs, slots, scale, 512, True)
@@ -86,9 +91,7 @@ def main(names=None):
                       f"({g['p10_ms'] * 1e3:.1f}-{g['p90_ms'] * 1e3:.1f})", flush=True)
     finally:
         raw_kernels.module_source = original
-        raw_kernels._COMPILED.clear()
-        raw_kernels._KERNELS.clear()
-        katt._PLANS.clear()
+        forget_compiled()
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "profile_attention.json"), "w") as f:

@@ -34,6 +34,7 @@ from cpsparse.indexer import fold_weights, hadamard_rotate
 from cpsparse.sparse_attn_indexer import IndexerStats, sparse_attn_indexer_core
 from cpsparse import _validation as V
 from cpsparse.metadata import ForwardContext, check_batch, dense_metadata, get_forward_context
+from cpsparse.parallel import pcp_all_gather
 from cpsparse.platform import current_platform
 
 __all__ = ["MLAConfig", "DeepseekV32MLA", "DeepseekV32AttentionStack", "init_weights",
@@ -726,7 +727,6 @@ class DeepseekV32MLA:
 
     def _forward_pcp(self, hidden_states, ctx, pcp_tokens):
         """forward() of one rank under prefill context parallelism."""
-        from cpsparse.parallel import pcp_all_gather
         if not isinstance(ctx, ForwardContext):
             raise TypeError(f"Invalid forward_context: expected ForwardContext, got "
                             f"{type(ctx).__qualname__}")
@@ -744,15 +744,7 @@ class DeepseekV32MLA:
         k_pe_all = pcp_all_gather(group, k_pe, own_d, tokens)
         self.mla_cache.insert_core(kv_c_all, k_pe_all, batch.slot_mapping)
         if self.indexer is not None:
-            q_codes, w, k = self.indexer.queries_keys(xp, x, q_c, batch.positions[own_d])
-            k_all = pcp_all_gather(group, k, own_d, tokens)
-            self._rows_written = self._reusable_topk_rows = None     # no reuse under PCP
-            sparse_attn_indexer_core(
-                xp, q_codes, w, k_all, self.indexer_cache, batch, self.topk_indices_buffer,
-                skip_k_cache_insert=False, use_pcp=True,
-                dense_mha_metadata_layer_name=self._dense_mha_metadata_layer_name,
-                skip_topk_buffer_clear=False, forward_context=ctx, stats=self.indexer.stats,
-                query_rows=own)
+            self._score(x, q_c, batch.positions[own_d], batch, ctx, query_rows=own)
         mla = ctx.attn_metadata.get(self.layer_name, batch.mla)
         self.attention_stats.forwards += 1
         if mla.dense_prefill:
@@ -761,17 +753,11 @@ class DeepseekV32MLA:
             # keys and softmax as the dense route, for this rank's tokens only.
             pos = batch.positions[own_d].astype(xp.int64)
             cols = xp.arange(c.index_topk, dtype=xp.int64)[None, :]
-            rows = xp.where(cols <= pos[:, None], cols, -1).astype(xp.int32)
+            causal = xp.where(cols <= pos[:, None], cols, -1).astype(xp.int32)
             self.attention_stats.dense_tokens += own.size
+            latent = self._sparse(q_full, batch, own_d, rows=causal)
         else:
-            rows = self.topk_indices_buffer[own_d]
-            self.attention_stats.buffer_rows_read += own.size
-            self.attention_stats.sparse_tokens += own.size
-        slots = local_to_global_slots_core(xp, rows, batch.req_ids[own_d], batch.block_table,
-                                           c.block_size)
-        cache = self.mla_cache
-        latent, _ = sparse_mla_attention_core(xp, q_full, cache.records(), cache.decode_records,
-                                              slots, c.sm_scale, c.kv_lora_rank)
+            latent = self._sparse(q_full, batch, own_d)
         return self._output(latent)
 
     __call__ = forward
@@ -781,40 +767,52 @@ class DeepseekV32MLA:
         xp, c = self.xp, self.config
         tokens = batch.num_tokens
         if self.indexer is not None and not self._skip_topk:
-            q_codes, w, k = self.indexer.queries_keys(xp, x, q_c, batch.positions)
-            skipped_before = self.indexer.stats.skipped
-            # Until this call has written its rows, nothing in the buffer is reusable.
-            self._rows_written = self._reusable_topk_rows = None
-            # forward() validated the batch against this layer (once): the core runs.
-            sparse_attn_indexer_core(
-                xp, q_codes, w, k, self.indexer_cache, batch, self.topk_indices_buffer,
-                skip_k_cache_insert=False, use_pcp=self.use_pcp,
-                dense_mha_metadata_layer_name=self._dense_mha_metadata_layer_name,
-                skip_topk_buffer_clear=False, forward_context=ctx, stats=self.indexer.stats)
-            # Rows are reusable only if this call wrote them (no early return).
-            if self.indexer.stats.skipped == skipped_before:
-                self._rows_written = self._reusable_topk_rows = tokens
-
+            self._score(x, q_c, batch.positions, batch, ctx)
         mla = ctx.attn_metadata.get(self.layer_name, batch.mla)
         nd = mla.num_decode_tokens
         self.attention_stats.forwards += 1
         out = xp.zeros((tokens, c.num_heads, c.kv_lora_rank), dtype=xp.float32)
         if nd:
-            out[:nd] = self._sparse(q_full[:nd], batch, 0, nd)
+            out[:nd] = self._sparse(q_full[:nd], batch, slice(0, nd))
         if nd < tokens:
             if mla.dense_prefill:
                 # Dense route: the top-k buffer is not read (it may be stale or -1).
                 out[nd:] = self._dense(q_full[nd:], batch, mla.num_decodes)
             else:
-                out[nd:] = self._sparse(q_full[nd:], batch, nd, tokens)
+                out[nd:] = self._sparse(q_full[nd:], batch, slice(nd, tokens))
         return out
 
-    def _sparse(self, q, batch, row0, row1):
+    def _score(self, x, q_c, positions, batch, ctx, query_rows=None):
+        """The indexer over the batch (forward() validated it: the core runs) with the
+        queries and keys of the tokens ``x``. Under PCP (``query_rows``, host indices of
+        this rank's tokens) the keys are gathered from every rank first and only this
+        rank's rows are scored."""
+        xp = self.xp
+        q_codes, w, k = self.indexer.queries_keys(xp, x, q_c, positions)
+        if query_rows is not None:
+            k = pcp_all_gather(self.pcp_group, k, xp.asarray(query_rows), batch.num_tokens)
+        skipped_before = self.indexer.stats.skipped
+        # Until this call has written its rows, nothing in the buffer is reusable.
+        self._rows_written = self._reusable_topk_rows = None
+        sparse_attn_indexer_core(
+            xp, q_codes, w, k, self.indexer_cache, batch, self.topk_indices_buffer,
+            skip_k_cache_insert=False, use_pcp=self.use_pcp,
+            dense_mha_metadata_layer_name=self._dense_mha_metadata_layer_name,
+            skip_topk_buffer_clear=False, forward_context=ctx, stats=self.indexer.stats,
+            query_rows=query_rows)
+        # Rows are reusable only if this call wrote all of them (no early return, no PCP).
+        if query_rows is None and self.indexer.stats.skipped == skipped_before:
+            self._rows_written = self._reusable_topk_rows = batch.num_tokens
+
+    def _sparse(self, q, batch, tokens, rows=None):
+        """Sparse attention of the batch ``tokens`` (a slice or indices; their queries
+        ``q``) over ``rows`` of request-local positions, by default their top-k rows."""
         xp, c = self.xp, self.config
-        rows = self.topk_indices_buffer[row0:row1]
-        self.attention_stats.buffer_rows_read += row1 - row0
-        self.attention_stats.sparse_tokens += row1 - row0
-        slots = local_to_global_slots_core(xp, rows, batch.req_ids[row0:row1],
+        if rows is None:
+            rows = self.topk_indices_buffer[tokens]
+            self.attention_stats.buffer_rows_read += q.shape[0]
+            self.attention_stats.sparse_tokens += q.shape[0]
+        slots = local_to_global_slots_core(xp, rows, batch.req_ids[tokens],
                                            batch.block_table, c.block_size)
         cache = self.mla_cache
         out, _ = sparse_mla_attention_core(xp, q, cache.records(), cache.decode_records, slots,

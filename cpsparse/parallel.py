@@ -246,8 +246,8 @@ def dcp_local_indices(positions: Array, rank: int, world: int, *,
                       interleave: int = 1) -> Array:
     """This rank's share of global top-k positions, as positions of its own shard.
 
-    A position the rank holds becomes its local position (the inverse of
-    :func:`cpsparse.reference.context_parallel.dcp_to_global`); one another rank
+    A position the rank holds becomes its local position
+    (:func:`cpsparse.reference.context_parallel.dcp_to_local`); one another rank
     holds, and -1, become -1. Map the result to cache slots with
     :func:`cpsparse.local_to_global_slots` and the rank's block table.
 
@@ -278,10 +278,7 @@ def dcp_local_indices(positions: Array, rank: int, world: int, *,
     if positions.dtype.kind not in "iu":
         raise TypeError(f"Invalid dtype of positions: expected an integer array, "
                         f"got {positions.dtype}")
-    p = positions.astype(xp.int64)
-    mine = (p >= 0) & ((p // interleave) % world == rank)
-    local = (p // (interleave * world)) * interleave + p % interleave
-    return xp.where(mine, local, -1).astype(xp.int32)
+    return _cp_ref.dcp_to_local(positions, rank, world, interleave).astype(xp.int32)
 
 
 def dcp_merge_attention(group: Any, out: Array, lse: Array) -> tuple[Array, Array]:
@@ -345,23 +342,24 @@ def pcp_all_gather(group: Any, x: Array, positions: Array, total: int) -> Array:
     if positions.ndim != 1 or positions.shape[0] != x.shape[0]:
         raise ValueError(f"Invalid shape of positions: expected [{x.shape[0]}] (one per "
                          f"row of x), got {list(positions.shape)}")
-    counts = group.all_gather(xp.asarray([x.shape[0]], dtype=xp.int64))[:, 0]
-    width = int(counts.max())
+    # Two host syncs: the shard sizes (to pad to one width), then one coverage flag.
+    counts = [int(c) for c in group.all_gather(xp.asarray([x.shape[0]], dtype=xp.int64))
+              .reshape(-1).tolist()]
+    width = max(counts)
     rows = xp.zeros((width,) + tuple(x.shape[1:]), dtype=x.dtype)
     rows[:x.shape[0]] = x
     where = xp.full(width, -1, dtype=xp.int64)
     where[:x.shape[0]] = positions
-    all_rows = group.all_gather(rows).reshape((-1,) + tuple(x.shape[1:]))
-    all_pos = group.all_gather(where).reshape(-1)
-    held = all_pos[all_pos >= 0]
-    seen = xp.bincount(xp.clip(held, 0, max(total - 1, 0)), minlength=total) \
-        if held.size else xp.zeros(total, dtype=xp.int64)
-    if int(counts.sum()) != total or held.size != total or bool((held >= total).any()) \
-            or bool((seen != 1).any()):
-        raise ValueError(f"Invalid positions: the ranks' shards ({counts.tolist()} rows) "
+    all_rows, all_pos = group.all_gather(rows), group.all_gather(where)
+    pos = xp.concatenate([all_pos[r, :n] for r, n in enumerate(counts)])
+    got = xp.concatenate([all_rows[r, :n] for r, n in enumerate(counts)])
+    inside = (pos >= 0) & (pos < total)
+    once = xp.bincount(xp.where(inside, pos, 0), minlength=max(total, 1))[:total] == 1
+    if sum(counts) != total or not bool(inside.all() & once.all()):
+        raise ValueError(f"Invalid positions: the ranks' shards ({counts} rows) "
                          f"must cover [0, {total}) exactly once")
     out = xp.empty((total,) + tuple(x.shape[1:]), dtype=x.dtype)
-    out[held] = all_rows[all_pos >= 0]
+    out[pos] = got
     return out
 
 

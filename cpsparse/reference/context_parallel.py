@@ -42,6 +42,16 @@ def dcp_to_global(local, rank, world, interleave=1):
     return xp.where(local < 0, -1, g)
 
 
+def dcp_to_local(positions, rank, world, interleave=1):
+    """Local positions on rank ``rank`` of global token positions (the inverse of
+    :func:`dcp_to_global`); a position another rank holds, and -1, give -1 (int64)."""
+    xp = xp_of(positions)
+    p = positions.astype(xp.int64)
+    mine = (p >= 0) & ((p // interleave) % world == rank)
+    local = (p // (interleave * world)) * interleave + p % interleave
+    return xp.where(mine, local, -1)
+
+
 def merge_topk(values, positions, lens, k):
     """The global top-k of each row from every rank's candidates.
 
