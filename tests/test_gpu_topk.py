@@ -100,11 +100,38 @@ def adversarial(rng, kind, n, k):
         return rng.choice(vals, n)
     if kind == "narrow":                     # everything in one fp16 bin
         return (np.float32(1.0) + rng.random(n).astype(np.float32) * np.float32(1e-3))
+    # The coarse key adapts to statistics of a row's first values (topk.cu, tk_adapt):
+    # the benchmark's distributions, and first values that mislead it.
+    if kind == "shift100":
+        return rng.standard_normal(n).astype(np.float32) + np.float32(100)
+    if kind == "scale1e-8":
+        return rng.standard_normal(n).astype(np.float32) * np.float32(1e-8)
+    if kind == "low10bits":
+        return (np.uint32(0x3F900000) | rng.integers(0, 1024, n).astype(np.uint32)).view(
+            np.float32)
+    if kind == "subnormal":                  # spread below the smallest normal float
+        return (rng.integers(-4000, 4000, n).astype(np.int32) * 1e-43).astype(np.float32)
+    if kind == "probe_outliers":             # the first values span 60 decades
+        x = rng.standard_normal(n).astype(np.float32)
+        m = min(n, 4096)
+        x[:m] *= np.float32(10.0) ** rng.integers(-30, 30, m).astype(np.float32)
+        return x
+    if kind == "probe_narrow":               # the first values all but equal, the rest not
+        x = (rng.standard_normal(n) * 1e4).astype(np.float32)
+        x[:min(n, 4096)] = np.float32(3.0) + rng.random(min(n, 4096)).astype(np.float32) * 1e-6
+        return x
+    if kind == "probe_nonfinite":            # no finite value among the first
+        x = rng.standard_normal(n).astype(np.float32)
+        m = min(n, 4096)
+        x[:m] = np.where(rng.random(m) < 0.5, np.float32(-np.inf), np.float32(np.nan))
+        return x
     raise ValueError(kind)
 
 
 KINDS = ["normal", "equal", "ties", "duplicates", "neginf_tail", "nan", "mostly_nan", "huge",
-         "ascending", "descending", "low_mantissa", "signed_zeros", "narrow"]
+         "ascending", "descending", "low_mantissa", "signed_zeros", "narrow", "shift100",
+         "scale1e-8", "low10bits", "subnormal", "probe_outliers", "probe_narrow",
+         "probe_nonfinite"]
 
 
 def _ragged(rng, lens, extra=5):

@@ -8,9 +8,13 @@
 //            ties at the threshold.
 //
 // Algorithm (one row per CTA, or per cluster of C CTAs that split the row):
-//   R0  histogram of a coarse 11-bit key (the top 11 bits of the fp16 order
-//       key of the value: monotone in the float order, 32 bins per octave,
-//       so real logits spread well) over every value of the row, one pass;
+//   R0  histogram of a coarse 11-bit key over every value of the row, one pass:
+//       the top 11 bits of the fp16 order key of fma(x, scale, bias), monotone
+//       in the float order, 32 bins per octave around -bias / scale. scale and
+//       bias adapt to the row (tk_adapt: a robust centre and spread of its first
+//       values), so shifted, scaled or low-contrast rows spread over the bins as
+//       standard normal ones do (with the raw fp16 key they crowd a few bins:
+//       contended atomics, and candidates too many for shared memory);
 //       the threshold bin B0 is where the count from the top reaches k.
 //       Filter pass: coarse > B0 -> emitted through an atomic cursor;
 //       coarse == B0 -> candidates.
@@ -22,8 +26,8 @@
 //       emitted + rank. Exact, ties to the lower position, no atomics.
 //   Fallback (many candidates: heavy ties, narrow data): radix rounds on the
 //       full 32-bit key, 11 bits a round from the highest bit in which the
-//       candidates' keys differ (their range is tracked in the filter pass)
-//       down to bit 0: histogram,
+//       candidates' keys differ (their range is tracked in the filter pass,
+//       over the cluster) down to bit 0: histogram,
 //       threshold digit, emit the candidates above it, keep those equal; as
 //       soon as the kept ones are few, finish as above. The round where the
 //       candidates equal to the threshold are all needed, or the last round
@@ -51,6 +55,12 @@ struct TkSmem {
     u32 hist[2][TK_BINS];
     u64 cand[2][TK_CAND];   // (key << 32) | ~position: larger = ranks first
     u32 wtot[32];
+    float wmean[32];   // tk_adapt's statistics of the row's first values, a warp each
+    float wmax[32];
+    float scale[32];   // the coarse key's transform (tk_coarse), a copy a warp
+    float bias[32];
+    u32 kmin, kmax;    // key range of R0's candidates (the fallback's first digit)
+    u32 ckmin, ckmax;  // the same over the cluster
     u32 cursor;
     u32 tie_cursor;
     u32 ncand;
@@ -94,37 +104,58 @@ __device__ __forceinline__ u32 tk_key(float x) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Coarse 11-bit key: top bits of the fp16 order key (round to nearest is
-// monotone, so coarse(a) <= coarse(b) whenever key(a) <= key(b)). NaN -> 0,
-// which no number reaches (-inf gives 31).
-__device__ __forceinline__ u32 tk_coarse(float x) {
+// Coarse 11-bit key: top bits of the fp16 order key of y = fma(x, scale, bias),
+// bias = -off * scale (one rounding of x * scale + bias, scale > 0: monotone in x,
+// and then round to nearest fp16 is monotone, so coarse(a) <= coarse(b) whenever
+// key(a) <= key(b); bias is never -0, so x = -0 and +0 both give +bias).
+// NaN -> 0, which no number reaches (-inf gives 31).
+__device__ __forceinline__ u32 tk_coarse(float x, float scale, float bias) {
     const u32 a = __float_as_uint(x) & 0x7FFFFFFFu;
     if (a > 0x7F800000u) return 0u;
-    const float y = a == 0u ? 0.0f : x;
+    const float y = fmaf(x, scale, bias);
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(y));
     const u32 hk = (h & 0x8000u) ? (~(u32)h & 0xFFFFu) : ((u32)h | 0x8000u);
     return hk >> 5;
 }
 
-// fp16 order key (0..0xFFFF) -> the float order key of that fp16 value; a NaN
-// pattern past +inf (-inf) gives the top (bottom) key.
-__device__ __forceinline__ u32 tk_half_order_to_key(u32 hk) {
-    const unsigned short h = (unsigned short)((hk & 0x8000u) ? (hk & 0x7FFFu) : (~hk & 0xFFFFu));
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    if (f != f) return (hk & 0x8000u) ? 0xFFFFFFFFu : 0u;
-    return tk_key(f);
-}
-
-// Bounds [kmin, kmax] on the full keys of the values whose coarse key is c: they
-// round (monotone) to one of the 32 fp16 values of the bin, so they lie strictly
-// between the fp16 values just outside it (a superset, which is all the rounds need).
-__device__ __forceinline__ void tk_coarse_range(u32 c, u32& kmin, u32& kmax) {
-    const u32 lo = c << 5, hi = lo + 31u;
-    kmin = lo == 0u ? 0u : tk_half_order_to_key(lo - 1u);
-    kmax = hi >= 0xFFFFu ? 0xFFFFFFFFu : tk_half_order_to_key(hi + 1u);
-    if (c == 0u) kmin = 0u;                       // NaN (key 0) lives in bin 0
+// The coarse key's transform from per-warp statistics of the row's first values
+// (lane l < nw holds warp l's mean and max of its finite values, has: any):
+// off = the median of the warps' means, scale = the power of two that brings the
+// median of their (max - mean) into [2, 4): the top of the row then spans the
+// fp16 octaves a standard normal row does. Medians, so that a few outliers
+// cannot stretch the scale; (0, 1) when no warp saw a finite value. Returns scale
+// and bias = -off * scale (+0, never -0, when off is 0), the same in every lane of
+// a warp and in every warp given the same statistics.
+__device__ __forceinline__ void tk_adapt(float mean, float mx, bool has, int lane, int nw,
+                                         float& scale, float& bias) {
+    const u32 full = 0xffffffffu;
+    const u32 valid = __ballot_sync(full, has && lane < nw);
+    const int m = __popc(valid);
+    const float spread = mx - mean;
+    // Lower median of each statistic over the valid lanes: rank by (value, lane).
+    int rm = 0, rs = 0;
+    for (int j = 0; j < nw; ++j) {
+        const float mj = __shfl_sync(full, mean, j), sj = __shfl_sync(full, spread, j);
+        if ((valid >> j) & 1u) {
+            rm += (mj < mean || (mj == mean && j < lane)) ? 1 : 0;
+            rs += (sj < spread || (sj == spread && j < lane)) ? 1 : 0;
+        }
+    }
+    const bool mine = has && lane < nw;
+    const u32 at_m = __ballot_sync(full, mine && rm == (m - 1) / 2);
+    const u32 at_s = __ballot_sync(full, mine && rs == (m - 1) / 2);
+    scale = 1.0f;
+    bias = 0.0f;
+    if (m == 0) return;
+    const float c = __shfl_sync(full, mean, __ffs(at_m) - 1);
+    const float d = __shfl_sync(full, spread, __ffs(at_s) - 1);
+    if (!(d > 0.0f) || !isfinite(d) || !isfinite(c)) return;   // one value: any scale
+    int e;
+    frexpf(d, &e);                                  // d < 2^e <= 2 d
+    scale = ldexpf(1.0f, min(127, max(-126, 2 - e)));
+    bias = -c * scale;
+    if (bias == 0.0f || !isfinite(bias)) bias = 0.0f;         // +0; c * scale overflowed: 0
 }
 
 __device__ __forceinline__ u64 tk_pack(u32 key, int i) {
@@ -311,13 +342,6 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     const int v_hi = min(nv, v_lo + per);
     const int ntiles = (v_hi - v_lo + TILE - 1) / TILE;
 
-    for (int b = tid; b < TK_BINS; b += THREADS) s.hist[0][b] = 0u;   // R0's buffer
-    if (tid == 0) {
-        s.need = (u32)k;
-        s.emitted = 0u;
-    }
-    __syncthreads();
-
     float4 vals[VEC];
     auto load = [&](int t) {
 #pragma unroll
@@ -326,6 +350,67 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             vals[j] = v < v_hi ? __ldg(qa + v) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     };
+    if (ntiles > 0) load(0);          // in flight while the transform is chosen
+
+    // The coarse key's transform from the row's first THREADS float4 units (read
+    // alike by every CTA of a cluster, so all bin alike): each warp's mean and max.
+    // Rank 0's first tile holds them when its slice is that long.
+    {
+        float4 v4 = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (rank == 0 && v_hi >= min(nv, THREADS)) {
+            v4 = vals[0];
+        } else if (tid < nv) {
+            v4 = __ldg(qa + tid);
+        }
+        const float xs[4] = {v4.x, v4.y, v4.z, v4.w};
+        float sum = 0.f, mx = __int_as_float(0xff800000);
+        int cnt = 0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int i = tid * 4 + c - head;
+            if (tid < nv && i >= 0 && i < n && isfinite(xs[c])) {
+                sum += xs[c];
+                mx = fmaxf(mx, xs[c]);
+                ++cnt;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+        }
+        if (lane == 0) {              // a NaN max marks a warp without (finite) statistics
+            const float mean = cnt > 0 ? sum / (float)cnt : 0.f;
+            const bool ok = cnt > 0 && isfinite(mean);
+            s.wmean[warp] = ok ? mean : 0.f;
+            s.wmax[warp] = ok ? mx : __int_as_float(0x7fc00000);
+        }
+    }
+    for (int b = tid; b < TK_BINS; b += THREADS) s.hist[0][b] = 0u;   // R0's buffer
+    if (tid == 0) {
+        s.need = (u32)k;
+        s.emitted = 0u;
+        s.kmin = 0xFFFFFFFFu;
+        s.kmax = 0u;
+    }
+    __syncthreads();
+    {   // every warp alike (no second barrier), into its own copy
+        const float wm = lane < NW ? s.wmean[lane] : 0.f;
+        const float wx = lane < NW ? s.wmax[lane] : __int_as_float(0x7fc00000);
+        float sc, bi;
+        tk_adapt(wm, wx, wx == wx, lane, NW, sc, bi);
+        if (lane == 0) {
+            s.scale[warp] = sc;
+            s.bias[warp] = bi;
+        }
+        __syncwarp();
+    }
+    // In registers for R0 and its filter pass (a shared-memory operand would be
+    // re-read after every atomic); the rare fallback re-reads them, since holding
+    // them through it spills (64 registers a thread).
+    const float cscale = s.scale[warp], cbias = s.bias[warp];
+
     auto each = [&](int t, auto&& f) {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
@@ -440,8 +525,10 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     // ---- R0: every value of the slice into the coarse histogram (n > k values in
     // the row, so the count from the top reaches k: the threshold always exists).
     for (int t = 0; t < ntiles; ++t) {
-        load(t);
-        each(t, [&](int, float x) { atomicAdd(&s.hist[0][tk_coarse(x)], 1u); });
+        if (t > 0) load(t);                               // tile 0: loaded above
+        each(t, [&](int, float x) {
+            atomicAdd(&s.hist[0][tk_coarse(x, cscale, cbias)], 1u);
+        });
     }
     select(0, (u32)k, TK_ROUND);
     int hb = 0;                                          // buffer of the last select
@@ -449,15 +536,25 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     bool fin = s.fin != 0u;
     bool to_rank = !fin && s.eq_tot <= TK_RANK_MAX;
     const bool fits = s.eq_local <= TK_CAND;
-    const u32 above_base = s.above_base;
+    const bool track = !fin && !to_rank;                  // the fallback follows
     for (int t = 0; t < ntiles; ++t) {
         if (ntiles > 1) load(t);                          // one tile stays in registers
         each_all(t, [&](int i, float x, bool valid) {
-            const u32 c = tk_coarse(x);
+            const u32 c = tk_coarse(x, cscale, cbias);
+            if (track) {                                  // the candidates' key range
+                const bool cand = valid && c == B0;
+                const u32 key = tk_key(x);
+                const u32 lo = __reduce_min_sync(0xffffffffu, cand ? key : 0xFFFFFFFFu);
+                const u32 hi = __reduce_max_sync(0xffffffffu, cand ? key : 0u);
+                if (lane == 0 && lo <= hi) {
+                    atomicMin(&s.kmin, lo);
+                    atomicMax(&s.kmax, hi);
+                }
+            }
             // One shared-memory atomic per emitted value: a warp-aggregated
             // (ballot + popc) variant measured ~20% slower on prefill rows.
             if (valid && c > B0) {
-                const u32 p = above_base + atomicAdd(&s.cursor, 1u);
+                const u32 p = s.above_base + atomicAdd(&s.cursor, 1u);   // a register less
                 if (p < (u32)k) orow[p] = tk_out(s, i);
             }
             if (valid && c == B0) {
@@ -479,12 +576,25 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     __syncthreads();
 
     // ---- Fallback: radix rounds on the full key, 11 bits a round from the highest
-    // bit in which the keys of R0's threshold bin can differ down to bit 0. Those
-    // keys lie in tk_coarse_range(B0), so the bits above the highest one where its
-    // ends differ are common and need no round: a row whose values crowd one
-    // coarse bin (shifted, scaled, low-contrast) takes two passes instead of three.
-    u32 kmin, kmax;
-    tk_coarse_range(B0, kmin, kmax);
+    // bit in which the keys of R0's threshold bin differ down to bit 0: the bits
+    // above it are common to every candidate and need no round.
+    u32 kmin = s.kmin, kmax = s.kmax;
+    if (C > 1) {                                  // the range over the cluster
+        tk_cluster_sync<C>();
+        if (warp == 0) {                          // lane r reads rank r's range
+            const u32 lo = lane < C ? tk_load_rank<C>(&s.kmin, (u32)lane) : 0xFFFFFFFFu;
+            const u32 hi = lane < C ? tk_load_rank<C>(&s.kmax, (u32)lane) : 0u;
+            const u32 clo = __reduce_min_sync(0xffffffffu, lo);
+            const u32 chi = __reduce_max_sync(0xffffffffu, hi);
+            if (lane == 0) {                      // other ranks read kmin / kmax: not those
+                s.ckmin = clo;
+                s.ckmax = chi;
+            }
+        }
+        __syncthreads();
+        kmin = s.ckmin;
+        kmax = s.ckmax;
+    }
     const u32 kx = kmin ^ kmax;
     bool src_glob = !fits;
     u32 ncur = s.eq_local;
@@ -498,7 +608,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             for (int t = 0; t < ntiles; ++t) {
                 load(t);                                  // rare path: reload, keep no registers
                 each(t, [&](int i, float x) {
-                    if (tk_coarse(x) == B0) {
+                    if (tk_coarse(x, s.scale[warp], s.bias[warp]) == B0) {
                         const u32 key = tk_key(x);
                         if (lvl_shift >= 32 || (key >> lvl_shift) == P) f(i, key);
                     }
