@@ -13,8 +13,9 @@ rotating inputs, CUDA events on CuPy, ``perf_counter`` on NumPy).
   weights: gate enabled by construction (``StaticPlatform(cuda=True)``, not
   MTP, not index-sharing, no PCP) and disabled (``StaticPlatform(cuda=False)``):
   the layer decides, the indexer only obeys. Timed: the indexer call inside the
-  forward (``sparse_attn_indexer``, a :class:`cpsparse.timing.Probe`) and the
-  whole forward. The reduction is reported where the gate fires (L <=
+  forward (``sparse_attn_indexer``, a :class:`cpsparse.timing.Probe`; the layer's
+  key step has cached the keys before it, as the seed's fused norm / RoPE / insert
+  kernel does, and passes ``skip_k_cache_insert=True``) and the whole forward. The reduction is reported where the gate fires (L <=
   index_topk); the rows past ``index_topk`` say the gate cannot fire.
 * ``mtp``: a real :class:`cpsparse.mtp.MTPDrafter` round of 3 steps (step 0
   scores, steps 1+ reuse its top-k) against a round where every step scores
@@ -63,8 +64,10 @@ METHOD = ("cpsparse.timing: warm-up, then every call timed alone over rotating i
           "graph, per call")
 
 WHAT = {
-    "short_prefill": "indexer call (sparse_attn_indexer) inside a real DeepseekV32MLA "
-                     "forward, gate on (StaticPlatform(cuda=True)) vs off "
+    "short_prefill": "indexer call (sparse_attn_indexer, skip_k_cache_insert=True: the "
+                     "layer's key step caches the keys, outside the call, inside forward_*) "
+                     "inside a real DeepseekV32MLA forward, gate on "
+                     "(StaticPlatform(cuda=True)) vs off "
                      "(StaticPlatform(cuda=False)); forward_*: the whole layer forward; "
                      "reduction_pct only where the gate fires (None where L > index_topk: "
                      "it cannot)",

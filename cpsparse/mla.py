@@ -366,6 +366,7 @@ class AttentionStats:
         self.dense_tokens = 0        # tokens attended by dense causal MHA
         self.sparse_tokens = 0       # tokens attended by sparse MLA
         self.buffer_rows_read = 0    # rows of the top-k buffer read
+        self.indexer_keys_inserted = 0   # indexer keys the key step wrote to its cache
 
     def __repr__(self):
         return ("AttentionStats(" + ", ".join(f"{k}={v}" for k, v in vars(self).items()) + ")")
@@ -791,12 +792,19 @@ class DeepseekV32MLA:
         q_codes, w, k = self.indexer.queries_keys(xp, x, q_c, positions)
         if query_rows is not None:
             k = pcp_all_gather(self.pcp_group, k, xp.asarray(query_rows), batch.num_tokens)
+        # The key step writes the keys to the indexer cache (the seed's layer fuses
+        # norm, RoPE, quantization and this insert into one kernel), so the indexer
+        # call skips it (skip_k_cache_insert): when the short-prefill gate fires, the
+        # call returns having done nothing, and the keys are cached either way.
+        self.indexer_cache.insert_core(xp, xp.ascontiguousarray(k[:batch.num_tokens]),
+                                       batch.slot_mapping)
+        self.attention_stats.indexer_keys_inserted += batch.num_tokens
         skipped_before = self.indexer.stats.skipped
         # Until this call has written its rows, nothing in the buffer is reusable.
         self._rows_written = self._reusable_topk_rows = None
         sparse_attn_indexer_core(
-            xp, q_codes, w, k, self.indexer_cache, batch, self.topk_indices_buffer,
-            skip_k_cache_insert=False, use_pcp=self.use_pcp,
+            xp, q_codes, w, None, self.indexer_cache, batch, self.topk_indices_buffer,
+            skip_k_cache_insert=True, use_pcp=self.use_pcp,
             dense_mha_metadata_layer_name=self._dense_mha_metadata_layer_name,
             skip_topk_buffer_clear=False, forward_context=ctx, stats=self.indexer.stats,
             query_rows=query_rows)

@@ -14,6 +14,7 @@ import pytest
 
 import cpsparse.mla as mla_mod
 from cpsparse.attention import local_to_global_slots
+from cpsparse.cache import IndexerKCache
 from cpsparse.metadata import ForwardContext, build_batch, set_forward_context
 from cpsparse.mla import DeepseekV32AttentionStack, DeepseekV32MLA, MLAConfig
 from cpsparse.platform import StaticPlatform
@@ -164,6 +165,32 @@ def test_dense_route_never_reads_poisoned_buffer(monkeypatch, q, ctx):
     assert spy.slots_calls == [] and spy.sparse_calls == []
     # the skipped indexer neither cleared nor wrote the buffer
     np.testing.assert_array_equal(layer.topk_indices_buffer, before)
+
+
+@pytest.mark.parametrize("platform", [CUDA, CPU], ids=["gate_on", "gate_off"])
+def test_key_step_caches_the_indexer_keys_and_the_indexer_call_skips_it(platform):
+    """The layer writes the indexer keys in its key step (the seed's fused norm / RoPE
+    / insert) and calls the indexer with skip_k_cache_insert: the cache holds the
+    keys whether the short-prefill gate fires or not, and a gated call does nothing."""
+    q, ctx = [30, 20], [10, 0]
+    table = table_for(2)
+    meta = batch(q, ctx, table)
+    x = hidden(sum(q))
+    layer = make_layer(platform=platform)
+    c = layer.indexer_cache
+    want = IndexerKCache(c.num_blocks, c.block_size, c.head_dim, scale_fmt=c.scale_fmt,
+                         dtype=c.dtype)
+    q_c, _, _, _ = layer._project(x, meta.positions)
+    _, _, k = layer.indexer.queries_keys(np, x, q_c, meta.positions)
+    want.insert(k, meta.slot_mapping)
+    layer.forward(x, forward_context=ForwardContext.for_layers(meta, [NAME]))
+    np.testing.assert_array_equal(layer.indexer_cache.data, want.data)
+    assert np.count_nonzero(want.data) > 0
+    assert layer.indexer.stats.inserted_keys == 0           # not by the indexer call
+    assert layer.attention_stats.indexer_keys_inserted == sum(q)
+    fires = platform is CUDA
+    assert layer.indexer.stats.skipped == int(fires)
+    assert layer.indexer.stats.scored_calls == int(not fires)
 
 
 @pytest.mark.parametrize("q, ctx", SHORT)
