@@ -30,11 +30,14 @@ from cpsparse.attention import (dense_mla_attention_core, local_to_global_slots_
                                 softmax_scale, sparse_mla_attention_core)
 from cpsparse.cache import IndexerKCache, MLAKVCache
 from cpsparse.fp8 import quantize_fp8
-from cpsparse.indexer import fold_weights, hadamard_rotate
+from cpsparse.indexer import fold_weights, hadamard_rotate, paged_mqa_logits_core
 from cpsparse.sparse_attn_indexer import IndexerStats, sparse_attn_indexer_core
 from cpsparse import _validation as V
 from cpsparse.metadata import ForwardContext, check_batch, dense_metadata, get_forward_context
-from cpsparse.parallel import pcp_all_gather
+from cpsparse.parallel import (DcpDecodeView, dcp_local_indices, dcp_merge_attention,
+                               dcp_topk_per_row, pcp_all_gather)
+from cpsparse.reference import context_parallel as _cp_ref
+from cpsparse.reference._xp import to_host
 from cpsparse.platform import current_platform
 
 __all__ = ["MLAConfig", "DeepseekV32MLA", "DeepseekV32AttentionStack", "init_weights",
@@ -431,6 +434,18 @@ class DeepseekV32MLA:
         tokens (``pcp_tokens``) and their hidden states; the latents and indexer keys
         are gathered so every rank's caches hold the whole prompt, each rank scores and
         attends its own tokens only, and its rows and outputs are one GPU's.
+    dcp_group : process group, optional
+        Decode context parallelism: this rank's caches hold its shard of every request
+        (token ``t`` on rank ``(t // dcp_interleave) % world``). Each rank calls
+        :meth:`forward` on decode steps with the same hidden states and its
+        :func:`cpsparse.parallel.dcp_decode_view` (``dcp_view``); the layer inserts the
+        tokens it holds, scores its shard, merges the exact global top-k from every
+        rank's candidates (:func:`cpsparse.parallel.dcp_topk_per_row`: the top-k
+        buffer holds global positions, as on one GPU), attends the selected keys it
+        holds and merges the partial outputs by lse: every rank's rows and output are
+        one GPU's. Not with PCP or on an MTP layer.
+    dcp_interleave : int
+        vLLM's ``cp_kv_cache_interleave_size`` (the views must agree).
     platform : object with ``is_cuda()``, optional
         Default: detected (CUDA when CuPy sees a device).
     weights : dict, optional
@@ -461,8 +476,8 @@ class DeepseekV32MLA:
     """
 
     def __init__(self, config, layer_name, *, is_mtp_layer=False, skip_topk=False,
-                 use_pcp=False, pcp_group=None, platform=None, weights=None, seed=0,
-                 xp=numpy):
+                 use_pcp=False, pcp_group=None, dcp_group=None, dcp_interleave=1,
+                 platform=None, weights=None, seed=0, xp=numpy):
         if not isinstance(config, MLAConfig):
             raise TypeError(f"Invalid config: expected MLAConfig, got {type(config).__qualname__}")
         if pcp_group is not None and not use_pcp:
@@ -470,7 +485,12 @@ class DeepseekV32MLA:
         if pcp_group is not None and is_mtp_layer:
             raise ValueError("Invalid pcp_group: MTP layers reuse their top-k rows across "
                              "draft steps, which prefill context parallelism does not keep")
+        if dcp_group is not None and (use_pcp or is_mtp_layer):
+            raise ValueError("Invalid dcp_group: decode context parallelism is not "
+                             "supported with use_pcp or on an MTP layer")
         self.pcp_group = pcp_group
+        self.dcp_group = dcp_group
+        self.dcp_interleave = V.check_positive_int("dcp_interleave", dcp_interleave)
         self.config = config
         self.layer_name = str(layer_name)
         self.is_mtp_layer = bool(is_mtp_layer)
@@ -638,15 +658,7 @@ class DeepseekV32MLA:
                             num_blocks=cache.num_blocks, xp=self.xp,
                             owner=f"the caches of layer {self.layer_name!r}")
         tokens = batch.num_tokens
-        rows = tokens if rows is None else rows
-        if hidden_states.ndim != 2 or hidden_states.shape[0] < rows or \
-                hidden_states.shape[1] != c.hidden_size:
-            raise ValueError(f"Invalid shape of hidden_states: expected [>= {rows}, "
-                             f"{c.hidden_size}], got {tuple(hidden_states.shape)}")
-        V.check_array("hidden_states", hidden_states, dtype=V.FLOAT_DTYPES, contiguous=False)
-        if self.topk_indices_buffer.shape[0] < tokens:
-            raise ValueError(f"Invalid batch: {tokens} tokens but the top-k buffer has "
-                             f"{self.topk_indices_buffer.shape[0]} rows")
+        self._check_rows(hidden_states, tokens if rows is None else rows, tokens)
         name = self._dense_mha_metadata_layer_name
         if name and name not in ctx.attn_metadata:
             raise ValueError(f"Invalid forward_context: it has no MLA metadata for layer "
@@ -655,7 +667,8 @@ class DeepseekV32MLA:
             raise RuntimeError(f"{self.layer_name}: reusing top-k rows for {tokens} tokens, "
                                f"but only {self._reusable_topk_rows} rows were kept")
 
-    def forward(self, hidden_states, *, forward_context=None, pcp_tokens=None):
+    def forward(self, hidden_states, *, forward_context=None, pcp_tokens=None,
+                dcp_view=None):
         """Attention output [T, hidden] for the batch of the forward context.
 
         Every argument is checked first (the batch against this layer's caches:
@@ -665,7 +678,15 @@ class DeepseekV32MLA:
         With a ``pcp_group`` (prefill context parallelism), ``pcp_tokens`` are the
         batch tokens of this rank (sorted; the ranks' shares cover the batch once),
         ``hidden_states`` their rows, and the result their rows of the output.
+
+        With a ``dcp_group`` (decode context parallelism), ``dcp_view`` is this rank's
+        :class:`cpsparse.parallel.DcpDecodeView` of the decode step (no forward
+        context is read); the result is every token's output, on every rank.
         """
+        if self.dcp_group is not None:
+            return self._forward_dcp(hidden_states, dcp_view)
+        if dcp_view is not None:
+            raise ValueError("Invalid dcp_view: this layer has no dcp_group")
         ctx = get_forward_context() if forward_context is None else forward_context
         if self.pcp_group is not None:
             return self._forward_pcp(hidden_states, ctx, pcp_tokens)
@@ -760,6 +781,86 @@ class DeepseekV32MLA:
         else:
             latent = self._sparse(q_full, batch, own_d)
         return self._output(latent)
+
+    def _check_dcp_view(self, hidden_states, view):
+        """Everything the DCP forward needs, before it writes a cache page or a row."""
+        c, group = self.config, self.dcp_group
+        if self.mla_cache is None:
+            raise RuntimeError(f"{self.layer_name}: call allocate_kv_cache() before forward()")
+        if not isinstance(view, DcpDecodeView):
+            raise TypeError(f"Invalid dcp_view: expected DcpDecodeView (from "
+                            f"cpsparse.parallel.dcp_decode_view), got {type(view).__qualname__}")
+        want = (group.rank, group.world, self.dcp_interleave, c.block_size)
+        got = (view.rank, view.world, view.interleave, view.block_size)
+        if got != want:
+            raise ValueError(f"Invalid dcp_view: expected (rank, world, interleave, "
+                             f"block_size) = {want} of this layer and its group, got {got}")
+        _backend.get_array_module(hidden_states=hidden_states, cache=self.mla_cache.data,
+                                  dcp_view=view.block_table)
+        tokens = view.num_tokens
+        local_lens = _cp_ref.dcp_local_lens(view.context_lens + view.query_lens, view.rank,
+                                            view.world, view.interleave)
+        for cache in (self.mla_cache, self.indexer_cache):
+            if cache is not None:
+                V.check_block_table(numpy, local_lens, view.block_table_host, c.block_size,
+                                    cache.num_blocks, name="dcp_view.block_table",
+                                    what=f"the caches of layer {self.layer_name!r}")
+        self._check_rows(hidden_states, tokens, tokens)
+
+    def _check_rows(self, hidden_states, rows, tokens):
+        """hidden_states [>= rows, hidden_size] of a float dtype; a top-k buffer of at
+        least ``tokens`` rows."""
+        c = self.config
+        if hidden_states.ndim != 2 or hidden_states.shape[0] < rows or \
+                hidden_states.shape[1] != c.hidden_size:
+            raise ValueError(f"Invalid shape of hidden_states: expected [>= {rows}, "
+                             f"{c.hidden_size}], got {tuple(hidden_states.shape)}")
+        V.check_array("hidden_states", hidden_states, dtype=V.FLOAT_DTYPES, contiguous=False)
+        if self.topk_indices_buffer.shape[0] < tokens:
+            raise ValueError(f"Invalid batch: {tokens} tokens but the top-k buffer has "
+                             f"{self.topk_indices_buffer.shape[0]} rows")
+
+    def _forward_dcp(self, hidden_states, view):
+        """A decode step under DCP (see the class docstring): checks, then the rank's
+        inserts, its shard's scores, the global top-k, partial attention and merge."""
+        self._check_dcp_view(hidden_states, view)
+        xp, c = self.xp, self.config
+        tokens = view.num_tokens
+        x = xp.asarray(hidden_states[:tokens], dtype=xp.float32)
+        q_c, q_full, kv_c, k_pe = self._project(x, view.positions)
+        self.mla_cache.insert_core(kv_c, k_pe, view.slot_mapping)     # -1: another rank's
+        if self.indexer is not None and not self._skip_topk:
+            q_codes, w, k = self.indexer.queries_keys(xp, x, q_c, view.positions)
+            self.indexer_cache.insert_core(xp, k, view.slot_mapping)
+            self.attention_stats.indexer_keys_inserted += int(
+                (to_host(view.slot_mapping) >= 0).sum())
+            self._rows_written = self._reusable_topk_rows = None
+            # Each token scored as its own row (next_n 1) over the keys this rank holds.
+            if view.max_local_len:
+                logits = paged_mqa_logits_core(
+                    xp, xp.ascontiguousarray(q_codes[:, None]), self.indexer_cache, w,
+                    view.local_ends.astype(xp.int32), view.token_table, view.max_local_len)
+            else:
+                logits = xp.zeros((tokens, 0), dtype=xp.float32)
+            rows = dcp_topk_per_row(self.dcp_group, logits, view.local_ends, view.ends,
+                                    c.index_topk, interleave=view.interleave)
+            self.topk_indices_buffer[:tokens] = rows
+            self.indexer.stats.calls += 1
+            self.indexer.stats.scored_calls += 1
+            self.indexer.stats.decode_rows += tokens
+            self._rows_written = self._reusable_topk_rows = tokens
+        self.attention_stats.forwards += 1
+        self.attention_stats.sparse_tokens += tokens
+        self.attention_stats.buffer_rows_read += tokens
+        rows = self.topk_indices_buffer[:tokens]
+        local = dcp_local_indices(rows, view.rank, view.world, interleave=view.interleave)
+        slots = local_to_global_slots_core(xp, local.astype(xp.int32), view.req_ids,
+                                           view.block_table, c.block_size)
+        cache = self.mla_cache
+        out, lse = sparse_mla_attention_core(xp, q_full, cache.records(), cache.decode_records,
+                                             slots, c.sm_scale, c.kv_lora_rank)
+        out, _ = dcp_merge_attention(self.dcp_group, out, lse)
+        return self._output(out)
 
     __call__ = forward
 
@@ -870,6 +971,10 @@ class DeepseekV32AttentionStack:
         Passed to every layer (prefill context parallelism; :class:`DeepseekV32MLA`).
     pcp_group : process group, optional
         Passed to every layer with ``use_pcp``.
+    dcp_group : process group, optional
+        Passed to every layer (decode context parallelism; :class:`DeepseekV32MLA`).
+    dcp_interleave : int
+        Passed to every layer with ``dcp_group``.
 
     Examples
     --------
@@ -881,7 +986,8 @@ class DeepseekV32AttentionStack:
     """
 
     def __init__(self, config, num_layers, *, num_blocks, max_num_tokens, platform=None,
-                 seed=0, xp=numpy, prefix="layers", use_pcp=False, pcp_group=None):
+                 seed=0, xp=numpy, prefix="layers", use_pcp=False, pcp_group=None,
+                 dcp_group=None, dcp_interleave=1):
         if not isinstance(config, MLAConfig):
             raise TypeError(f"Invalid config: expected MLAConfig, got {type(config).__qualname__}")
         num_layers = V.check_positive_int("num_layers", num_layers)
@@ -897,7 +1003,8 @@ class DeepseekV32AttentionStack:
         for i in range(num_layers):
             layer = DeepseekV32MLA(config, f"{prefix}.{i}.attn",
                                    skip_topk=not config.layer_scores(i), platform=platform,
-                                   seed=seed + i, xp=xp, use_pcp=use_pcp, pcp_group=pcp_group)
+                                   seed=seed + i, xp=xp, use_pcp=use_pcp, pcp_group=pcp_group,
+                                   dcp_group=dcp_group, dcp_interleave=dcp_interleave)
             layer.allocate_kv_cache(num_blocks, topk_indices_buffer=self.topk_indices_buffer)
             self.layers.append(layer)
 
@@ -905,14 +1012,20 @@ class DeepseekV32AttentionStack:
     def layer_names(self):
         return [layer.layer_name for layer in self.layers]
 
-    def forward(self, hidden_states, *, forward_context=None, pcp_tokens=None):
+    def forward(self, hidden_states, *, forward_context=None, pcp_tokens=None,
+                dcp_view=None):
         """The stack's output rows: the batch's tokens, or with a ``pcp_group`` this
-        rank's ``pcp_tokens`` (see :meth:`DeepseekV32MLA.forward`)."""
-        ctx = get_forward_context() if forward_context is None else forward_context
-        rows = ctx.batch.num_tokens if pcp_tokens is None else len(pcp_tokens)
+        rank's ``pcp_tokens``, or with a ``dcp_group`` the tokens of ``dcp_view`` (see
+        :meth:`DeepseekV32MLA.forward`)."""
+        if dcp_view is not None:
+            rows, ctx = dcp_view.num_tokens, None
+        else:
+            ctx = get_forward_context() if forward_context is None else forward_context
+            rows = ctx.batch.num_tokens if pcp_tokens is None else len(pcp_tokens)
         x = hidden_states[:rows]
         for layer in self.layers:
-            x = x + layer.forward(x, forward_context=ctx, pcp_tokens=pcp_tokens)
+            x = x + layer.forward(x, forward_context=ctx, pcp_tokens=pcp_tokens,
+                                  dcp_view=dcp_view)
         return x
 
     __call__ = forward

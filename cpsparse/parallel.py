@@ -15,6 +15,9 @@ layout: token t on rank ``(t // interleave) % world``; see
 3. :func:`dcp_merge_attention`: each rank's partial attention over its selected keys,
    all-gathered and merged by lse: every rank ends with the unsharded result.
 
+:class:`cpsparse.mla.DeepseekV32MLA` with a ``dcp_group`` runs those steps in its
+decode forward, given this rank's :func:`dcp_decode_view` of the step.
+
 Prefill context parallelism (PCP) splits a long prompt's tokens across the ranks (any
 layout: contiguous, vLLM's head-tail halves for causal balance); each rank scores its
 own queries against the whole prompt's keys, which :func:`pcp_all_gather` assembles in
@@ -32,12 +35,14 @@ caller set it): NVLS needs multicast objects the lent machines do not grant.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy
 
+from cpsparse import _backend
 from cpsparse import _validation as V
 from cpsparse.indexer import topk_per_row
 from cpsparse.reference import context_parallel as _cp_ref
@@ -46,8 +51,9 @@ from cpsparse.reference._xp import xp_of
 if TYPE_CHECKING:
     from cpsparse._typing import Array
 
-__all__ = ["ThreadGroup", "NcclGroup", "dcp_topk_per_row", "dcp_local_indices",
-           "dcp_merge_attention", "pcp_all_gather", "shard_rows"]
+__all__ = ["ThreadGroup", "NcclGroup", "DcpDecodeView", "dcp_decode_view",
+           "dcp_topk_per_row", "dcp_local_indices", "dcp_merge_attention",
+           "pcp_all_gather", "shard_rows"]
 
 
 class ThreadGroup:
@@ -303,6 +309,141 @@ def dcp_merge_attention(group: Any, out: Array, lse: Array) -> tuple[Array, Arra
     merged, merged_lse = _cp_ref.merge_attention(group.all_gather(out), group.all_gather(lse))
     xp = xp_of(out)
     return merged.astype(xp.float32), merged_lse.astype(xp.float32)
+
+
+@dataclasses.dataclass
+class DcpDecodeView:
+    """One rank's view of a decode step under DCP (built by :func:`dcp_decode_view`).
+
+    T is the number of new tokens of the step (decodes only, request order), R the
+    number of requests. Every parameter is an attribute of the same name.
+
+    Parameters
+    ----------
+    rank, world, interleave, block_size : int
+        The shard layout and the caches' page size.
+    query_lens, context_lens : numpy.ndarray
+        Host int64 [R]: new tokens of each request, tokens already cached (global).
+    positions : int32 array [T]
+        Global position of each new token (its RoPE position).
+    req_ids : int32 array [T]
+        Request of each new token (row of ``block_table``).
+    ends : int64 array [T]
+        Each token's global window end (``position + 1``: it sees the keys before it
+        and itself).
+    local_ends : int64 array [T]
+        How many of those keys this rank holds.
+    slot_mapping : int32 array [T]
+        Local cache slot of each new token this rank holds, -1 for the others.
+    block_table : int32 array [R, cols]
+        This rank's page ids of each request, in local position order.
+    token_table : int32 array [T, cols]
+        ``block_table[req_ids]``: each token scored as its own row.
+    block_table_host : numpy.ndarray
+        Host copy of ``block_table``.
+    max_local_len : int
+        The longest local window (``local_ends.max()``, 0 without tokens).
+    """
+    rank: int
+    world: int
+    interleave: int
+    block_size: int
+    query_lens: numpy.ndarray
+    context_lens: numpy.ndarray
+    positions: Any
+    req_ids: Any
+    ends: Any
+    local_ends: Any
+    slot_mapping: Any
+    block_table: Any
+    token_table: Any
+    block_table_host: numpy.ndarray
+    max_local_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_lens.sum())
+
+
+def dcp_decode_view(query_lens: Sequence[int], context_lens: Sequence[int],
+                    local_block_table: Array, rank: int, world: int, *, interleave: int = 1,
+                    block_size: int = 64, next_n: int = 1) -> DcpDecodeView:
+    """This rank's view of a DCP decode step: global positions, its shard's slots.
+
+    Parameters
+    ----------
+    query_lens : sequence of int [R]
+        New tokens of each request (1 .. ``next_n``: a decode step).
+    context_lens : sequence of int [R]
+        Tokens of each request already cached, over all ranks.
+    local_block_table : int32 array [R, cols]
+        This rank's pages of each request (its local positions ``0, 1, ...`` in order;
+        they must cover the request's local length after the step). NumPy or CuPy (sets
+        the backend).
+    rank, world : int
+    interleave : int
+        vLLM's ``cp_kv_cache_interleave_size``.
+    block_size : int
+        Tokens per page of the rank's caches.
+    next_n : int
+        1 + the number of speculative tokens.
+
+    Returns
+    -------
+    DcpDecodeView
+
+    Examples
+    --------
+    Rank 1 of 2 holds the odd positions; the new token of a request with 5 cached
+    tokens sits at position 5, its local position 2 (page 7, offset 2):
+
+    >>> import numpy as np
+    >>> from cpsparse.parallel import dcp_decode_view
+    >>> view = dcp_decode_view([1], [5], np.array([[7]], np.int32), 1, 2, block_size=4)
+    >>> view.positions, view.slot_mapping, view.local_ends
+    (array([5], dtype=int32), array([30], dtype=int32), array([3]))
+    """
+    xp = _backend.get_array_module(local_block_table=local_block_table)
+    world = V.check_positive_int("world", world)
+    rank = V.check_nonnegative_int("rank", rank)
+    if rank >= world:
+        raise ValueError(f"Invalid rank: expected 0 <= rank < world={world}, got {rank}")
+    interleave = V.check_positive_int("interleave", interleave)
+    block_size = V.check_positive_int("block_size", block_size)
+    next_n = V.check_positive_int("next_n", next_n)
+    V.check_index("local_block_table", local_block_table, ndim=2, shape_desc="[R, cols]")
+    q = numpy.asarray(query_lens, dtype=numpy.int64).reshape(-1)
+    ctx = numpy.asarray(context_lens, dtype=numpy.int64).reshape(-1)
+    table_h = V.to_host(local_block_table)
+    if q.shape != ctx.shape or q.shape[0] != table_h.shape[0]:
+        raise ValueError(f"Invalid lengths: expected query_lens, context_lens and "
+                         f"local_block_table rows to agree on R, got {q.shape[0]}, "
+                         f"{ctx.shape[0]} and {table_h.shape[0]}")
+    if (ctx < 0).any() or (q < 1).any() or (q > next_n).any():
+        raise ValueError(f"Invalid lengths: a DCP decode step takes 1 <= query_lens <= "
+                         f"next_n={next_n} and context_lens >= 0, got {q.tolist()} and "
+                         f"{ctx.tolist()}")
+    local_seq = _cp_ref.dcp_local_lens(ctx + q, rank, world, interleave)
+    V.check_block_table(numpy, local_seq, table_h, block_size,
+                        name="local_block_table", what="this rank's caches")
+    req = numpy.repeat(numpy.arange(q.size, dtype=numpy.int64), q)
+    starts = numpy.repeat(numpy.cumsum(q) - q, q)
+    pos = numpy.repeat(ctx, q) + numpy.arange(req.size, dtype=numpy.int64) - starts
+    local = _cp_ref.dcp_to_local(pos, rank, world, interleave)
+    mine = local >= 0
+    lpos = numpy.where(mine, local, 0)
+    page = table_h[req, lpos // block_size].astype(numpy.int64) if req.size else lpos
+    slots = numpy.where(mine, page * block_size + lpos % block_size, -1)
+    local_ends = _cp_ref.dcp_local_lens(pos + 1, rank, world, interleave)
+    table = xp.asarray(local_block_table, dtype=xp.int32)
+    req_d = xp.asarray(req.astype(numpy.int32))
+    return DcpDecodeView(
+        rank=rank, world=world, interleave=interleave, block_size=block_size,
+        query_lens=q, context_lens=ctx, positions=xp.asarray(pos.astype(numpy.int32)),
+        req_ids=req_d, ends=xp.asarray(pos + 1), local_ends=xp.asarray(local_ends),
+        slot_mapping=xp.asarray(slots.astype(numpy.int32)), block_table=table,
+        token_table=xp.ascontiguousarray(table[req_d]), block_table_host=table_h,
+        max_local_len=int(local_ends.max()) if local_ends.size else 0)
 
 
 def pcp_all_gather(group: Any, x: Array, positions: Array, total: int) -> Array:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cpsparse import parallel as P
+from test_dcp_layer import check_dcp_steps, run_dcp, run_one_rank, steps
 from test_parallel import check_decode_step, decode_step_case, pcp_layer_case
 
 pytestmark = pytest.mark.gpu
@@ -21,6 +22,21 @@ def _nccl_or_skip():
     from cupy.cuda import nccl
     if not getattr(nccl, "available", False):
         pytest.skip("NCCL is not available to CuPy")
+
+
+@pytest.mark.parametrize("world,interleave,next_n", [(2, 1, 1), (2, 4, 2)])
+def test_dcp_layer_on_the_gpu(world, interleave, next_n):
+    """The MLA layer's DCP decode steps on CuPy (the kernels: paged scoring per token
+    row, top-k, sparse attention) against one CuPy layer holding every key; outputs
+    at twice FlashMLA's tolerances (P rounds to bf16 against each rank's row max)."""
+    import cupy
+    from cpsparse.mla import init_weights
+    from test_dcp_layer import CFG
+    weights = init_weights(CFG, 3)
+    plan = steps(next_n)
+    want = run_one_rank(plan, next_n, weights, xp=cupy)
+    check_dcp_steps(want, run_dcp(plan, next_n, weights, world, interleave, xp=cupy),
+                    rtol=4.02 / 128, atol=2e-3)
 
 
 @pytest.mark.parametrize("world,interleave", [(1, 1), (2, 1), (4, 2)])
