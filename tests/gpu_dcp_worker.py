@@ -2,8 +2,8 @@
 
 ``python gpu_dcp_worker.py WORLD RANK INTERLEAVE ID_FILE``: rank 0 writes the NCCL
 unique id to ID_FILE, the others wait for it; every rank runs the decode step of
-tests/test_parallel.py over NCCL and exits 0 when its rows and merged attention match
-the unsharded ops.
+tests/test_parallel.py and the MLA layer's DCP decode steps of tests/test_dcp_layer.py
+over NCCL and exits 0 when its rows and merged attention match the unsharded ops.
 """
 
 import os
@@ -16,6 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cupy  # noqa: E402
 
 from cpsparse import parallel as P  # noqa: E402
+from cpsparse.mla import init_weights  # noqa: E402
+from test_dcp_layer import CFG, check_dcp_steps, dcp_layer_rank, run_one_rank, steps  # noqa: E402
 from test_parallel import check_decode_step, decode_step_case  # noqa: E402
 
 
@@ -36,6 +38,12 @@ def main(world, rank, interleave, id_file):
             uid = pickle.load(f)
     group = P.NcclGroup(world, rank, uid)
     check_decode_step(cupy, *decode_step_case(cupy, world, interleave, group=group))
+    # The MLA layer's DCP decode steps over NCCL against one layer on this GPU.
+    weights = init_weights(CFG, 3)
+    plan = steps(2)
+    want = run_one_rank(plan, 2, weights, xp=cupy)
+    check_dcp_steps(want, [dcp_layer_rank(plan, 2, weights, group, interleave, xp=cupy)],
+                    rtol=4.02 / 128, atol=2e-3)
 
 
 if __name__ == "__main__":

@@ -65,26 +65,28 @@ def run_one_rank(plan, next_n, weights, xp=np):
     return outs
 
 
+def dcp_layer_rank(plan, next_n, weights, group, interleave, xp=np):
+    """(the steps' (output, rows) on the host, the layer) of rank ``group.rank``."""
+    table = rank_tables(group.world, interleave)[group.rank]
+    layer = DeepseekV32MLA(CFG, NAME, platform=CPU, weights=weights, dcp_group=group,
+                           dcp_interleave=interleave, xp=xp)
+    layer.allocate_kv_cache(REQS * COLS, max_num_tokens=8)
+    ctx = np.zeros(REQS, np.int64)
+    outs = []
+    for i, q in enumerate(plan):
+        view = dcp_decode_view(q, ctx, xp.asarray(table), group.rank, group.world,
+                               interleave=interleave, block_size=CFG.block_size,
+                               next_n=next_n)
+        y = layer.forward(hidden(sum(q), i, xp), dcp_view=view)
+        outs.append((_host(y), _host(layer.topk_indices_buffer[:sum(q)])))
+        ctx += q
+    return outs, layer
+
+
 def run_dcp(plan, next_n, weights, world, interleave, xp=np):
-    """[(the steps' (output, rows) on the host, the layer)] of every simulated rank."""
-    tables = rank_tables(world, interleave)
-
-    def rank(g):
-        layer = DeepseekV32MLA(CFG, NAME, platform=CPU, weights=weights, dcp_group=g,
-                               dcp_interleave=interleave, xp=xp)
-        layer.allocate_kv_cache(REQS * COLS, max_num_tokens=8)
-        ctx = np.zeros(REQS, np.int64)
-        outs = []
-        for i, q in enumerate(plan):
-            view = dcp_decode_view(q, ctx, xp.asarray(tables[g.rank]), g.rank, g.world,
-                                   interleave=interleave, block_size=CFG.block_size,
-                                   next_n=next_n)
-            y = layer.forward(hidden(sum(q), i, xp), dcp_view=view)
-            outs.append((_host(y), _host(layer.topk_indices_buffer[:sum(q)])))
-            ctx += q
-        return outs, layer
-
-    return ThreadGroup.run(world, rank)
+    """[dcp_layer_rank of every simulated rank]."""
+    return ThreadGroup.run(world, lambda g: dcp_layer_rank(plan, next_n, weights, g,
+                                                           interleave, xp))
 
 
 def check_dcp_steps(want, ranks, rtol=1e-4, atol=1e-5):
