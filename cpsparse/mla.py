@@ -37,7 +37,6 @@ from cpsparse.metadata import ForwardContext, check_batch, dense_metadata, get_f
 from cpsparse.parallel import (DcpDecodeView, dcp_local_indices, dcp_merge_attention,
                                dcp_topk_per_row, pcp_all_gather)
 from cpsparse.reference import context_parallel as _cp_ref
-from cpsparse.reference._xp import to_host
 from cpsparse.platform import current_platform
 
 __all__ = ["MLAConfig", "DeepseekV32MLA", "DeepseekV32AttentionStack", "init_weights",
@@ -832,8 +831,7 @@ class DeepseekV32MLA:
         if self.indexer is not None and not self._skip_topk:
             q_codes, w, k = self.indexer.queries_keys(xp, x, q_c, view.positions)
             self.indexer_cache.insert_core(xp, k, view.slot_mapping)
-            self.attention_stats.indexer_keys_inserted += int(
-                (to_host(view.slot_mapping) >= 0).sum())
+            self.attention_stats.indexer_keys_inserted += view.num_local_tokens
             self._rows_written = self._reusable_topk_rows = None
             # Each token scored as its own row (next_n 1) over the keys this rank holds.
             if view.max_local_len:

@@ -335,6 +335,8 @@ class DcpDecodeView:
         How many of those keys this rank holds.
     slot_mapping : int32 array [T]
         Local cache slot of each new token this rank holds, -1 for the others.
+    num_local_tokens : int
+        How many of the new tokens this rank holds.
     block_table : int32 array [R, cols]
         This rank's page ids of each request, in local position order.
     token_table : int32 array [T, cols]
@@ -355,6 +357,7 @@ class DcpDecodeView:
     ends: Any
     local_ends: Any
     slot_mapping: Any
+    num_local_tokens: int
     block_table: Any
     token_table: Any
     block_table_host: numpy.ndarray
@@ -441,7 +444,8 @@ def dcp_decode_view(query_lens: Sequence[int], context_lens: Sequence[int],
         rank=rank, world=world, interleave=interleave, block_size=block_size,
         query_lens=q, context_lens=ctx, positions=xp.asarray(pos.astype(numpy.int32)),
         req_ids=req_d, ends=xp.asarray(pos + 1), local_ends=xp.asarray(local_ends),
-        slot_mapping=xp.asarray(slots.astype(numpy.int32)), block_table=table,
+        slot_mapping=xp.asarray(slots.astype(numpy.int32)),
+        num_local_tokens=int(mine.sum()), block_table=table,
         token_table=xp.ascontiguousarray(table[req_d]), block_table_host=table_h,
         max_local_len=int(local_ends.max()) if local_ends.size else 0)
 
