@@ -35,8 +35,7 @@ from cpsparse.sparse_attn_indexer import IndexerStats, sparse_attn_indexer_core
 from cpsparse import _validation as V
 from cpsparse.metadata import ForwardContext, check_batch, dense_metadata, get_forward_context
 from cpsparse.parallel import (DcpDecodeView, dcp_local_indices, dcp_merge_attention,
-                               dcp_topk_per_row, pcp_all_gather)
-from cpsparse.reference import context_parallel as _cp_ref
+                               dcp_topk_per_row_core, pcp_all_gather)
 from cpsparse.platform import current_platform
 
 __all__ = ["MLAConfig", "DeepseekV32MLA", "DeepseekV32AttentionStack", "init_weights",
@@ -797,14 +796,15 @@ class DeepseekV32MLA:
         _backend.get_array_module(hidden_states=hidden_states, cache=self.mla_cache.data,
                                   dcp_view=view.block_table)
         tokens = view.num_tokens
-        local_lens = _cp_ref.dcp_local_lens(view.context_lens + view.query_lens, view.rank,
-                                            view.world, view.interleave)
         for cache in (self.mla_cache, self.indexer_cache):
             if cache is not None:
-                V.check_block_table(numpy, local_lens, view.block_table_host, c.block_size,
-                                    cache.num_blocks, name="dcp_view.block_table",
+                V.check_block_table(numpy, view.local_seq_lens, view.block_table_host,
+                                    c.block_size, cache.num_blocks, name="dcp_view.block_table",
                                     what=f"the caches of layer {self.layer_name!r}")
         self._check_rows(hidden_states, tokens, tokens)
+        if self._skip_topk:
+            raise ValueError("Invalid top-k reuse: a DCP layer scores every decode step "
+                             "(its buffer rows are global positions of one step)")
 
     def _check_rows(self, hidden_states, rows, tokens):
         """hidden_states [>= rows, hidden_size] of a float dtype; a top-k buffer of at
@@ -837,11 +837,11 @@ class DeepseekV32MLA:
             if view.max_local_len:
                 logits = paged_mqa_logits_core(
                     xp, xp.ascontiguousarray(q_codes[:, None]), self.indexer_cache, w,
-                    view.local_ends.astype(xp.int32), view.token_table, view.max_local_len)
+                    view.local_ends, view.token_table, view.max_local_len)
             else:
                 logits = xp.zeros((tokens, 0), dtype=xp.float32)
-            rows = dcp_topk_per_row(self.dcp_group, logits, view.local_ends, view.ends,
-                                    c.index_topk, interleave=view.interleave)
+            rows = dcp_topk_per_row_core(self.dcp_group, logits, view.local_ends, view.ends,
+                                         c.index_topk, view.interleave)
             self.topk_indices_buffer[:tokens] = rows
             self.indexer.stats.calls += 1
             self.indexer.stats.scored_calls += 1
@@ -852,8 +852,8 @@ class DeepseekV32MLA:
         self.attention_stats.buffer_rows_read += tokens
         rows = self.topk_indices_buffer[:tokens]
         local = dcp_local_indices(rows, view.rank, view.world, interleave=view.interleave)
-        slots = local_to_global_slots_core(xp, local.astype(xp.int32), view.req_ids,
-                                           view.block_table, c.block_size)
+        slots = local_to_global_slots_core(xp, local, view.req_ids, view.block_table,
+                                           c.block_size)
         cache = self.mla_cache
         out, lse = sparse_mla_attention_core(xp, q_full, cache.records(), cache.decode_records,
                                              slots, c.sm_scale, c.kv_lora_rank)

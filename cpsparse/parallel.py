@@ -44,7 +44,7 @@ import numpy
 
 from cpsparse import _backend
 from cpsparse import _validation as V
-from cpsparse.indexer import topk_per_row
+from cpsparse.indexer import topk_per_row, topk_per_row_core
 from cpsparse.reference import context_parallel as _cp_ref
 from cpsparse.reference._xp import xp_of
 
@@ -233,6 +233,15 @@ def dcp_topk_per_row(group: Any, local_logits: Array, local_lens: Array, lens: A
     _check_group(group)
     k = V.check_positive_int("k", k)
     interleave = V.check_positive_int("interleave", interleave)
+    return dcp_topk_per_row_core(group, local_logits, local_lens, lens, k, interleave,
+                                 checked=False)
+
+
+def dcp_topk_per_row_core(group, local_logits, local_lens, lens, k, interleave, *,
+                          checked=True):
+    """:func:`dcp_topk_per_row`; ``checked``: the windows are known valid (the DCP
+    layer built them on the host), so the local top-k skips its value checks (a device
+    read on CuPy)."""
     xp = xp_of(local_logits)
     m, width = local_logits.shape
     if width == 0:                        # this rank holds no key of any row
@@ -241,7 +250,9 @@ def dcp_topk_per_row(group: Any, local_logits: Array, local_lens: Array, lens: A
     else:
         starts = xp.zeros(m, dtype=xp.int32)
         ends = xp.asarray(local_lens).astype(xp.int32)
-        local = topk_per_row(local_logits, starts, ends, k)
+        local = (topk_per_row_core(xp, local_logits, starts, ends, k,
+                                   xp.empty((m, k), dtype=xp.int32)) if checked
+                 else topk_per_row(local_logits, starts, ends, k))
         vals = xp.take_along_axis(local_logits, xp.maximum(local, 0), axis=1)
     glob = _cp_ref.dcp_to_global(local, group.rank, group.world, interleave)
     return _cp_ref.merge_topk(group.all_gather(vals), group.all_gather(glob),
@@ -311,7 +322,7 @@ def dcp_merge_attention(group: Any, out: Array, lse: Array) -> tuple[Array, Arra
     return merged.astype(xp.float32), merged_lse.astype(xp.float32)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class DcpDecodeView:
     """One rank's view of a decode step under DCP (built by :func:`dcp_decode_view`).
 
@@ -331,20 +342,27 @@ class DcpDecodeView:
     ends : int64 array [T]
         Each token's global window end (``position + 1``: it sees the keys before it
         and itself).
-    local_ends : int64 array [T]
+    local_ends : int32 array [T]
         How many of those keys this rank holds.
     slot_mapping : int32 array [T]
         Local cache slot of each new token this rank holds, -1 for the others.
     num_local_tokens : int
         How many of the new tokens this rank holds.
     block_table : int32 array [R, cols]
-        This rank's page ids of each request, in local position order.
+        This rank's page ids of each request, in local position order (a copy of the
+        caller's table: the slots above were computed from it).
     token_table : int32 array [T, cols]
         ``block_table[req_ids]``: each token scored as its own row.
     block_table_host : numpy.ndarray
         Host copy of ``block_table``.
+    local_seq_lens : numpy.ndarray
+        Host int64 [R]: each request's tokens on this rank after the step (what the
+        table must cover).
     max_local_len : int
         The longest local window (``local_ends.max()``, 0 without tokens).
+
+    The view is frozen and owns copies of its arrays: a layer checks its page ids
+    against its caches, and a caller's later change to its table cannot reach it.
     """
     rank: int
     world: int
@@ -361,6 +379,7 @@ class DcpDecodeView:
     block_table: Any
     token_table: Any
     block_table_host: numpy.ndarray
+    local_seq_lens: numpy.ndarray
     max_local_len: int
 
     @property
@@ -404,7 +423,7 @@ def dcp_decode_view(query_lens: Sequence[int], context_lens: Sequence[int],
     >>> from cpsparse.parallel import dcp_decode_view
     >>> view = dcp_decode_view([1], [5], np.array([[7]], np.int32), 1, 2, block_size=4)
     >>> view.positions, view.slot_mapping, view.local_ends
-    (array([5], dtype=int32), array([30], dtype=int32), array([3]))
+    (array([5], dtype=int32), array([30], dtype=int32), array([3], dtype=int32))
     """
     xp = _backend.get_array_module(local_block_table=local_block_table)
     world = V.check_positive_int("world", world)
@@ -417,7 +436,7 @@ def dcp_decode_view(query_lens: Sequence[int], context_lens: Sequence[int],
     V.check_index("local_block_table", local_block_table, ndim=2, shape_desc="[R, cols]")
     q = numpy.asarray(query_lens, dtype=numpy.int64).reshape(-1)
     ctx = numpy.asarray(context_lens, dtype=numpy.int64).reshape(-1)
-    table_h = V.to_host(local_block_table)
+    table_h = numpy.array(V.to_host(local_block_table), dtype=numpy.int32)    # a copy
     if q.shape != ctx.shape or q.shape[0] != table_h.shape[0]:
         raise ValueError(f"Invalid lengths: expected query_lens, context_lens and "
                          f"local_block_table rows to agree on R, got {q.shape[0]}, "
@@ -438,16 +457,17 @@ def dcp_decode_view(query_lens: Sequence[int], context_lens: Sequence[int],
     page = table_h[req, lpos // block_size].astype(numpy.int64) if req.size else lpos
     slots = numpy.where(mine, page * block_size + lpos % block_size, -1)
     local_ends = _cp_ref.dcp_local_lens(pos + 1, rank, world, interleave)
-    table = xp.asarray(local_block_table, dtype=xp.int32)
+    table = xp.asarray(table_h)                  # from the host copy the slots came from
     req_d = xp.asarray(req.astype(numpy.int32))
     return DcpDecodeView(
         rank=rank, world=world, interleave=interleave, block_size=block_size,
         query_lens=q, context_lens=ctx, positions=xp.asarray(pos.astype(numpy.int32)),
-        req_ids=req_d, ends=xp.asarray(pos + 1), local_ends=xp.asarray(local_ends),
+        req_ids=req_d, ends=xp.asarray(pos + 1),
+        local_ends=xp.asarray(local_ends.astype(numpy.int32)),
         slot_mapping=xp.asarray(slots.astype(numpy.int32)),
         num_local_tokens=int(mine.sum()), block_table=table,
         token_table=xp.ascontiguousarray(table[req_d]), block_table_host=table_h,
-        max_local_len=int(local_ends.max()) if local_ends.size else 0)
+        local_seq_lens=local_seq, max_local_len=int(local_ends.max()) if local_ends.size else 0)
 
 
 def pcp_all_gather(group: Any, x: Array, positions: Array, total: int) -> Array:

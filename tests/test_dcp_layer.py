@@ -30,12 +30,17 @@ def rank_tables(world, interleave, seed=5):
     return tables
 
 
-def steps(next_n):
+def steps(next_n, ragged=False):
     """(query_lens) of each step: single tokens past index_topk, then next_n-sized
-    steps when next_n > 1."""
-    plan = [[1, 1, 1]] * (CFG.index_topk + 8)
-    if next_n > 1:
-        plan += [[2, 1, 2], [1, 2, 2], [2, 2, 1]]
+    steps when next_n > 1. ``ragged``: requests drift apart from the start (request 2
+    grows twice as fast, next_n-sized steps early), so steps mix tokens whose window a
+    rank holds no key of with tokens it holds many of."""
+    if ragged:
+        plan = [[2, 1, 1]] * 10 + [[1, 1, 2]] * 30 + [[1, 2, 2]] * 20 + [[2, 1, 1]] * 6
+    else:
+        plan = [[1, 1, 1]] * (CFG.index_topk + 8)
+        if next_n > 1:
+            plan += [[2, 1, 2], [1, 2, 2], [2, 2, 1]]
     return plan
 
 
@@ -101,11 +106,13 @@ def check_dcp_steps(want, ranks, rtol=1e-4, atol=1e-5):
                                        err_msg=f"rank {r} step {i}")
 
 
-@pytest.mark.parametrize("world,interleave,next_n", [(1, 1, 1), (2, 1, 1), (3, 1, 2),
-                                                     (2, 4, 2)])
-def test_dcp_decode_steps_equal_one_rank(world, interleave, next_n):
+@pytest.mark.parametrize("world,interleave,next_n,ragged", [
+    (1, 1, 1, False), (2, 1, 1, False), (3, 1, 2, False), (2, 4, 2, False),
+    (3, 32, 2, True),             # interleave past the page size: whole pages on one rank
+    (2, 5, 2, True)])             # an interleave that does not divide the page size
+def test_dcp_decode_steps_equal_one_rank(world, interleave, next_n, ragged):
     weights = init_weights(CFG, 3)
-    plan = steps(next_n)
+    plan = steps(next_n, ragged)
     want = run_one_rank(plan, next_n, weights)
     ranks = run_dcp(plan, next_n, weights, world, interleave)
     check_dcp_steps(want, ranks)
@@ -181,3 +188,49 @@ def test_dcp_view_and_layer_refusals():
     plain.allocate_kv_cache(4, max_num_tokens=8)
     with pytest.raises(ValueError, match="no dcp_group"):
         plain.forward(hidden(1, 0), dcp_view=view)
+
+
+def test_dcp_refusals_write_nothing():
+    """Every refusal of a DCP forward comes before its first write: both caches and the
+    top-k buffer stay as they were."""
+    g = ThreadGroup.run(1, lambda g: g)[0]
+    layer = DeepseekV32MLA(CFG, NAME, platform=CPU, dcp_group=g)
+    layer.allocate_kv_cache(4, max_num_tokens=2)
+    table = np.zeros((1, 2), np.int32)
+    ok = dcp_decode_view([1], [3], table, 0, 1, block_size=CFG.block_size)
+    layer.forward(hidden(1, 0), dcp_view=ok)                  # a valid step first
+    state = lambda: (layer.mla_cache.data.copy(), layer.indexer_cache.data.copy(),  # noqa: E731
+                     layer.topk_indices_buffer.copy())
+    before = state()
+    three = dcp_decode_view([1, 1, 1], [4, 4, 4], np.zeros((3, 2), np.int32), 0, 1,
+                            block_size=CFG.block_size)
+    cases = [
+        (hidden(1, 1)[:, :7], ok, ValueError, "hidden_states"),
+        (hidden(3, 1), three, ValueError, "top-k buffer"),     # 3 tokens, 2 buffer rows
+    ]
+    for x, view, err, match in cases:
+        with pytest.raises(err, match=match):
+            layer.forward(x, dcp_view=view)
+    layer.set_skip_topk(True)               # accepted: the last call scored its rows
+    with pytest.raises(ValueError, match="reuse"):
+        layer.forward(hidden(1, 1), dcp_view=ok)
+    layer.set_skip_topk(False)
+    for a, b in zip(state(), before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_dcp_view_owns_its_table():
+    """A view computed its slots from the table it was given; changing the caller's
+    table afterwards changes neither (the layer checks the view's own copy)."""
+    table = np.array([[9, 9]], np.int32)
+    view = dcp_decode_view([1], [3], table, 0, 1, block_size=CFG.block_size)
+    table[:] = 0
+    assert view.block_table_host[0, 0] == 9 and int(view.block_table[0, 0]) == 9
+    assert int(view.slot_mapping[0]) == 9 * CFG.block_size + 3
+    g = ThreadGroup.run(1, lambda g: g)[0]
+    layer = DeepseekV32MLA(CFG, NAME, platform=CPU, dcp_group=g)
+    layer.allocate_kv_cache(4, max_num_tokens=2)
+    with pytest.raises(ValueError, match="dcp_view.block_table"):
+        layer.forward(hidden(1, 0), dcp_view=view)            # page 9 of 4: refused
+    with pytest.raises(Exception):
+        view.rank = 1                                          # frozen
