@@ -327,7 +327,9 @@ class DcpDecodeView:
     """One rank's view of a decode step under DCP (built by :func:`dcp_decode_view`).
 
     T is the number of new tokens of the step (decodes only, request order), R the
-    number of requests. Every parameter is an attribute of the same name.
+    number of requests. Every parameter is an attribute of the same name. The view is
+    frozen and owns copies of its arrays: a layer checks its page ids against its
+    caches, and a caller's later change to its table cannot reach it.
 
     Parameters
     ----------
@@ -360,9 +362,6 @@ class DcpDecodeView:
         table must cover).
     max_local_len : int
         The longest local window (``local_ends.max()``, 0 without tokens).
-
-    The view is frozen and owns copies of its arrays: a layer checks its page ids
-    against its caches, and a caller's later change to its table cannot reach it.
     """
     rank: int
     world: int
