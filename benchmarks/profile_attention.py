@@ -16,6 +16,14 @@ difference to ``base`` is what that part adds to the critical path:
 
 The outputs of the variants are wrong by construction; only the times mean something.
 Results: stdout and ``$OUT/profile_attention.json`` when set.
+
+``trace`` (``python3 -m benchmarks.profile_attention trace``) instead records, in the
+first CTAs of one B=128 call, the SM clock (``clock64``) at five points of every tile:
+the producer's loop top, after its EMPTY wait, before its FULL arrive; the math
+warpgroups after their FULL wait and before their EMPTY arrive. It prints the median
+cycles a tile of each side's work and of each wait (which side waits for which), the
+numbers the ablations only infer. The traced kernel is the base kernel plus those
+stores (a few cycles a tile); its output is right.
 """
 
 import json
@@ -42,15 +50,105 @@ VARIANTS = {
 SHAPES = [(128, 1, 128), (64, 2, 64), (8, 1, 128), (1, 1, 128)]   # (B, s_q, H)
 CTX, TOPK = 32768, 2048
 
+# The trace: a buffer of clock64 stamps [cta][event][tile] and the five stores; each
+# (anchor, replacement) must hit attention.cu once (tests/test_profile_attention.py).
+TRACE_CTAS, TRACE_TILES = 16, 40
+TRACE_EVENTS = ("producer_top", "producer_free", "producer_full", "math_full", "math_done")
+_TRACE_DEF = (
+    "#define ATT_LN2 0.693147180559945309f\n",
+    "#define ATT_LN2 0.693147180559945309f\n"
+    f"__device__ long long att_trace[{TRACE_CTAS}][5][{TRACE_TILES}];\n"
+    "__device__ __forceinline__ void att_trace_at(int ev, int i) {\n"
+    f"    if (blockIdx.x < {TRACE_CTAS} && i < {TRACE_TILES})\n"
+    "        att_trace[blockIdx.x][ev][i] = clock64();\n"
+    "}\n")
+TRACE = [
+    _TRACE_DEF,
+    ("        att_load_pass(b, kv, slot, 8, lane);\n"
+     "        if (t - t_first >= 2) att_bar_sync(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);\n",
+     "        if (p == 0) att_trace_at(0, t - t_first);\n"
+     "        att_load_pass(b, kv, slot, 8, lane);\n"
+     "        if (t - t_first >= 2) att_bar_sync(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);\n"
+     "        if (p == 0) att_trace_at(1, t - t_first);\n"),
+    ("        att_bar_arrive(ATT_BAR_FULL + buf, ATT_WS_THREADS);\n",
+     "        if (p == 0) att_trace_at(2, t - t_first);\n"
+     "        att_bar_arrive(ATT_BAR_FULL + buf, ATT_WS_THREADS);\n"),
+    ("        att_bar_sync(ATT_BAR_FULL + buf, ATT_WS_THREADS);\n",
+     "        att_bar_sync(ATT_BAR_FULL + buf, ATT_WS_THREADS);\n"
+     "        if (tid == 0) att_trace_at(3, it - w.t_first);\n"),
+    ("        if (it + 2 < w.t_end) att_bar_arrive(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);\n",
+     "        if (tid == 0) att_trace_at(4, it - w.t_first);\n"
+     "        if (it + 2 < w.t_end) att_bar_arrive(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);\n"),
+]
+
 
 def variant_source(source, name):
-    """``source`` with the substitutions of variant ``name`` applied."""
-    for old, new in VARIANTS[name]:
+    """``source`` with the substitutions of variant ``name`` (or ``"trace"``) applied."""
+    for old, new in (TRACE if name == "trace" else VARIANTS[name]):
         if source.count(old) != 1:
             raise ValueError(f"variant {name}: expected one occurrence of {old!r} in "
                              f"attention.cu, got {source.count(old)}")
         source = source.replace(old, new)
     return source
+
+
+def trace_summary(stamps):
+    """Median cycles a tile from stamps int64 [ctas, 5, tiles] (0 = not reached):
+    each side's work and waits. Tile i's math waits from its previous EMPTY arrive
+    (or the first FULL) to FULL i; the producer's free-wait is EMPTY of tile i."""
+    import numpy as np
+    s = np.asarray(stamps, dtype=np.int64)
+    top, free, full, mfull, mdone = (s[:, e] for e in range(5))
+    ok = (top > 0) & (free > 0) & (full > 0) & (mfull > 0) & (mdone > 0)
+    out = {}
+
+    def med(name, x, mask):
+        v = x[mask]
+        out[name] = float(np.median(v)) if v.size else None
+
+    med("producer_tile", full - top, ok)               # loads, dequant, stores, waits
+    med("producer_empty_wait", free - top, ok)
+    med("producer_work", full - free, ok)
+    med("math_tile", mdone - mfull, ok)                # QK^T, softmax, PV
+    prev_done = np.concatenate([mfull[:, :1], mdone[:, :-1]], axis=1)
+    nxt = ok & np.concatenate([np.zeros_like(ok[:, :1]), ok[:, :-1]], axis=1)
+    med("math_full_wait", mfull - prev_done, nxt)       # math idle, waiting for data
+    med("handover", mfull - full, ok)                   # FULL arrive -> math starts
+    out["tiles"] = int(ok.sum())
+    return out
+
+
+def trace(cp, cpsparse, katt, raw_kernels, forget_compiled, base):
+    """Record the stamps of one B=128 call (traced source) and summarize them."""
+    from benchmarks.bench_peers import mla_decode_inputs
+    b, sq, h = SHAPES[0]
+    cache, sets = mla_decode_inputs(cp, cpsparse, b, sq, h, CTX, TOPK)
+    original = raw_kernels.module_source
+    src = variant_source(base, "trace")
+    raw_kernels.module_source = (
+        lambda module: src if module == "attention" else original(module))
+    forget_compiled()
+    try:
+        q, slots = sets[0]
+        scale = cpsparse.softmax_scale(128, 64)
+        for _ in range(3):                             # warm: compile, then steady state
+            katt.sparse_mla_attention(cp, q, cache.records(), slots, scale, 512, True)
+        cp.cuda.Device().synchronize()
+        buf = raw_kernels.get_module("attention").get_global("att_trace")
+        stamps = cp.ndarray((TRACE_CTAS, 5, TRACE_TILES), cp.int64, buf)
+        stamps.fill(0)
+        katt.sparse_mla_attention(cp, q, cache.records(), slots, scale, 512, True)
+        cp.cuda.Device().synchronize()
+        summary = trace_summary(stamps.get())
+    finally:
+        raw_kernels.module_source = original
+        forget_compiled()
+    mhz = cp.cuda.Device().attributes["ClockRate"] / 1e3
+    print(f"trace B{b}_sq{sq}_H{h} ({summary.pop('tiles')} tiles, SM clock {mhz:.0f} MHz): "
+          "median cycles a tile", flush=True)
+    for k, v in summary.items():
+        print(f"  {k:22s} {v if v is None else round(v)}", flush=True)
+    return summary
 
 
 def main(names=None):
@@ -70,6 +168,13 @@ def main(names=None):
     names = names or list(VARIANTS)
     original = raw_kernels.module_source
     base = original("attention")
+    if names == ["trace"]:
+        summary = trace(cp, cpsparse, katt, raw_kernels, forget_compiled, base)
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, "profile_attention_trace.json"), "w") as f:
+                json.dump({"device": harness.device_info(), "cycles": summary}, f, indent=2)
+        return summary
     scale = cpsparse.softmax_scale(128, 64)
     inputs = []
     for b, sq, h in SHAPES:

@@ -19,3 +19,28 @@ def test_a_stale_substitution_is_an_error(monkeypatch):
     monkeypatch.setitem(P.VARIANTS, "stale", [("no such text in attention.cu", "")])
     with pytest.raises(ValueError, match="expected one occurrence"):
         P.variant_source(raw_kernels.module_source("attention"), "stale")
+
+
+def test_trace_substitutions_apply_once_each():
+    base = raw_kernels.module_source("attention")
+    src = P.variant_source(base, "trace")
+    assert src.count("att_trace_at(") == 1 + len(P.TRACE_EVENTS)     # definition + stamps
+    for event in range(len(P.TRACE_EVENTS)):
+        assert f"att_trace_at({event}," in src
+
+
+def test_trace_summary_reads_each_side_and_wait():
+    """Synthetic stamps of 2 CTAs x 3 tiles: producer 100 cycles of work after a
+    10-cycle EMPTY wait, math 50 cycles a tile starting 5 cycles after FULL."""
+    import numpy as np
+    stamps = np.zeros((2, 5, 4), np.int64)             # tile 3 never reached: ignored
+    for c in range(2):
+        for i in range(3):
+            top = 1000 + 200 * i + c
+            stamps[c, :, i] = [top, top + 10, top + 110, top + 115, top + 165]
+    got = P.trace_summary(stamps)
+    assert got["tiles"] == 6
+    assert got["producer_empty_wait"] == 10 and got["producer_work"] == 100
+    assert got["producer_tile"] == 110 and got["math_tile"] == 50
+    assert got["handover"] == 5
+    assert got["math_full_wait"] == 200 - 50               # from tile i-1's end to FULL i
