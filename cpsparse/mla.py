@@ -34,8 +34,8 @@ from cpsparse.indexer import fold_weights, hadamard_rotate, paged_mqa_logits_cor
 from cpsparse.sparse_attn_indexer import IndexerStats, sparse_attn_indexer_core
 from cpsparse import _validation as V
 from cpsparse.metadata import ForwardContext, check_batch, dense_metadata, get_forward_context
-from cpsparse.parallel import (DcpDecodeView, dcp_local_indices, dcp_merge_attention,
-                               dcp_topk_per_row_core, pcp_all_gather)
+from cpsparse.parallel import (DcpDecodeView, check_group, dcp_local_indices,
+                               dcp_merge_attention, dcp_topk_per_row_core, pcp_all_gather)
 from cpsparse.platform import current_platform
 
 __all__ = ["MLAConfig", "DeepseekV32MLA", "DeepseekV32AttentionStack", "init_weights",
@@ -483,9 +483,11 @@ class DeepseekV32MLA:
         if pcp_group is not None and is_mtp_layer:
             raise ValueError("Invalid pcp_group: MTP layers reuse their top-k rows across "
                              "draft steps, which prefill context parallelism does not keep")
-        if dcp_group is not None and (use_pcp or is_mtp_layer):
-            raise ValueError("Invalid dcp_group: decode context parallelism is not "
-                             "supported with use_pcp or on an MTP layer")
+        if dcp_group is not None:
+            check_group(dcp_group)
+            if use_pcp or is_mtp_layer:
+                raise ValueError("Invalid dcp_group: decode context parallelism is not "
+                                 "supported with use_pcp or on an MTP layer")
         self.pcp_group = pcp_group
         self.dcp_group = dcp_group
         self.dcp_interleave = V.check_positive_int("dcp_interleave", dcp_interleave)
@@ -828,7 +830,7 @@ class DeepseekV32MLA:
         x = xp.asarray(hidden_states[:tokens], dtype=xp.float32)
         q_c, q_full, kv_c, k_pe = self._project(x, view.positions)
         self.mla_cache.insert_core(kv_c, k_pe, view.slot_mapping)     # -1: another rank's
-        if self.indexer is not None and not self._skip_topk:
+        if self.indexer is not None:                # (a runtime reuse was refused above)
             q_codes, w, k = self.indexer.queries_keys(xp, x, q_c, view.positions)
             self.indexer_cache.insert_core(xp, k, view.slot_mapping)
             self.attention_stats.indexer_keys_inserted += view.num_local_tokens

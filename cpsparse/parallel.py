@@ -230,7 +230,7 @@ def dcp_topk_per_row(group: Any, local_logits: Array, local_lens: Array, lens: A
     >>> ThreadGroup.run(2, rank)[1]
     array([[4, 1, 3]], dtype=int32)
     """
-    _check_group(group)
+    check_group(group)
     k = V.check_positive_int("k", k)
     interleave = V.check_positive_int("interleave", interleave)
     return dcp_topk_per_row_core(group, local_logits, local_lens, lens, k, interleave,
@@ -316,7 +316,7 @@ def dcp_merge_attention(group: Any, out: Array, lse: Array) -> tuple[Array, Arra
         The attention over all the selected keys, on every rank; a row no rank has a
         key for gets out 0 and lse -inf, a NaN on any rank makes the row NaN.
     """
-    _check_group(group)
+    check_group(group)
     merged, merged_lse = _cp_ref.merge_attention(group.all_gather(out), group.all_gather(lse))
     xp = xp_of(out)
     return merged.astype(xp.float32), merged_lse.astype(xp.float32)
@@ -500,7 +500,7 @@ def pcp_all_gather(group: Any, x: Array, positions: Array, total: int) -> Array:
     >>> ThreadGroup.run(2, rank)[1]
     array([ 0, 10, 20])
     """
-    _check_group(group)
+    check_group(group)
     total = V.check_nonnegative_int("total", total)
     xp = xp_of(x)
     if positions.ndim != 1 or positions.shape[0] != x.shape[0]:
@@ -558,8 +558,9 @@ def shard_rows(x: Array, rank: int, world: int, *, interleave: int = 1,
     return xp.take(x, glob, axis=axis)
 
 
-def _check_group(group: Any,
-                 names: Sequence[str] = ("rank", "world", "all_gather")) -> None:
+def check_group(group: Any,
+                names: Sequence[str] = ("rank", "world", "all_gather")) -> None:
+    """TypeError unless ``group`` has what a process group needs (``names``)."""
     missing = [n for n in names if not hasattr(group, n)]
     if missing:
         raise TypeError(f"Invalid group: expected an object with {', '.join(names)}, "

@@ -171,6 +171,8 @@ def test_dcp_view_and_layer_refusals():
         DeepseekV32MLA(CFG, NAME, platform=CPU, dcp_group=g, use_pcp=True)
     with pytest.raises(ValueError, match="dcp_group"):
         DeepseekV32MLA(CFG, NAME, platform=CPU, dcp_group=g, is_mtp_layer=True)
+    with pytest.raises(TypeError, match="all_gather"):
+        DeepseekV32MLA(CFG, NAME, platform=CPU, dcp_group=object())
     layer = DeepseekV32MLA(CFG, NAME, platform=CPU, dcp_group=g, dcp_interleave=2)
     layer.allocate_kv_cache(4, max_num_tokens=8)
     view = dcp_decode_view([1], [3], table, 0, 1, block_size=CFG.block_size)
