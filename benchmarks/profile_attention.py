@@ -26,6 +26,7 @@ numbers the ablations only infer. The traced kernel is the base kernel plus thos
 stores (a few cycles a tile); its output is right.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -118,17 +119,36 @@ def trace_summary(stamps):
     return out
 
 
-def trace(cp, cpsparse, katt, raw_kernels, forget_compiled, base):
-    """Record the stamps of one B=128 call (traced source) and summarize them."""
-    from benchmarks.bench_peers import mla_decode_inputs
-    b, sq, h = SHAPES[0]
-    cache, sets = mla_decode_inputs(cp, cpsparse, b, sq, h, CTX, TOPK)
+@contextlib.contextmanager
+def attention_source(src):
+    """Launches inside compile ``src`` as attention.cu (never written to disk); the
+    compiled modules, bound kernels and launch plans are dropped on entry and exit, so
+    the next launch compiles the source in force."""
+    from cpsparse import raw_kernels
+    from cpsparse.raw_kernels import attention as katt
+
+    def forget_compiled():
+        raw_kernels._COMPILED.clear()
+        raw_kernels._KERNELS.clear()
+        katt._PLANS.clear()
+
     original = raw_kernels.module_source
-    src = variant_source(base, "trace")
     raw_kernels.module_source = (
         lambda module: src if module == "attention" else original(module))
     forget_compiled()
     try:
+        yield
+    finally:
+        raw_kernels.module_source = original
+        forget_compiled()
+
+
+def trace(cp, cpsparse, katt, raw_kernels, base):
+    """Record the stamps of one B=128 call (traced source) and summarize them."""
+    from benchmarks.bench_peers import mla_decode_inputs
+    b, sq, h = SHAPES[0]
+    cache, sets = mla_decode_inputs(cp, cpsparse, b, sq, h, CTX, TOPK)
+    with attention_source(variant_source(base, "trace")):
         q, slots = sets[0]
         scale = cpsparse.softmax_scale(128, 64)
         for _ in range(3):                             # warm: compile, then steady state
@@ -140,9 +160,6 @@ def trace(cp, cpsparse, katt, raw_kernels, forget_compiled, base):
         katt.sparse_mla_attention(cp, q, cache.records(), slots, scale, 512, True)
         cp.cuda.Device().synchronize()
         summary = trace_summary(stamps.get())
-    finally:
-        raw_kernels.module_source = original
-        forget_compiled()
     mhz = cp.cuda.Device().attributes["ClockRate"] / 1e3
     print(f"trace B{b}_sq{sq}_H{h} ({summary.pop('tiles')} tiles, SM clock {mhz:.0f} MHz): "
           "median cycles a tile", flush=True)
@@ -158,18 +175,10 @@ def main(names=None):
     from cpsparse import raw_kernels, timing
     from cpsparse.raw_kernels import attention as katt
 
-    def forget_compiled():
-        """Drop the compiled modules, bound kernels and launch plans (the next launch
-        compiles the current source)."""
-        raw_kernels._COMPILED.clear()
-        raw_kernels._KERNELS.clear()
-        katt._PLANS.clear()
-
     names = names or list(VARIANTS)
-    original = raw_kernels.module_source
-    base = original("attention")
+    base = raw_kernels.module_source("attention")
     if names == ["trace"]:
-        summary = trace(cp, cpsparse, katt, raw_kernels, forget_compiled, base)
+        summary = trace(cp, cpsparse, katt, raw_kernels, base)
         out = os.environ.get("OUT")
         if out:
             with open(os.path.join(out, "profile_attention_trace.json"), "w") as f:
@@ -181,12 +190,8 @@ def main(names=None):
         cache, sets = mla_decode_inputs(cp, cpsparse, b, sq, h, CTX, TOPK)
         inputs.append((f"B{b}_sq{sq}_H{h}", cache.records(), sets))
     results = {}
-    try:
-        for name in names:
-            src = variant_source(base, name)
-            raw_kernels.module_source = (
-                lambda module, src=src: src if module == "attention" else original(module))
-            forget_compiled()
+    for name in names:
+        with attention_source(variant_source(base, name)):
             for key, recs, sets in inputs:
                 def call(q, slots, recs=recs):
                     return katt.sparse_mla_attention(cp, q, recs, slots, scale, 512, True)
@@ -194,9 +199,6 @@ def main(names=None):
                 results.setdefault(key, {})[name] = g["median_ms"] * 1e3
                 print(f"{name:10s} {key:14s} {g['median_ms'] * 1e3:8.1f} us "
                       f"({g['p10_ms'] * 1e3:.1f}-{g['p90_ms'] * 1e3:.1f})", flush=True)
-    finally:
-        raw_kernels.module_source = original
-        forget_compiled()
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "profile_attention.json"), "w") as f:

@@ -155,12 +155,7 @@ class NcclGroup:
     """
 
     def __init__(self, world: int, rank: int, unique_id: Any, *, stream: Any = None):
-        self.world = V.check_positive_int("world", world)
-        rank = V.check_nonnegative_int("rank", rank)
-        if rank >= self.world:
-            raise ValueError(f"Invalid rank: expected 0 <= rank < world={self.world}, "
-                             f"got {rank}")
-        self.rank = rank
+        self.rank, self.world = _check_rank(rank, world)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         nccl = self._nccl()
         self._uint8 = nccl.NCCL_UINT8
@@ -288,8 +283,7 @@ def dcp_local_indices(positions: Array, rank: int, world: int, *,
     >>> dcp_local_indices(np.array([[0, 1, 2, 3, 5, -1]], np.int32), 1, 2)
     array([[-1,  0, -1,  1,  2, -1]], dtype=int32)
     """
-    rank = V.check_nonnegative_int("rank", rank)
-    world = V.check_positive_int("world", world)
+    rank, world = _check_rank(rank, world)
     interleave = V.check_positive_int("interleave", interleave)
     xp = xp_of(positions)
     if positions.dtype.kind not in "iu":
@@ -425,10 +419,7 @@ def dcp_decode_view(query_lens: Sequence[int], context_lens: Sequence[int],
     (array([5], dtype=int32), array([30], dtype=int32), array([3], dtype=int32))
     """
     xp = _backend.get_array_module(local_block_table=local_block_table)
-    world = V.check_positive_int("world", world)
-    rank = V.check_nonnegative_int("rank", rank)
-    if rank >= world:
-        raise ValueError(f"Invalid rank: expected 0 <= rank < world={world}, got {rank}")
+    rank, world = _check_rank(rank, world)
     interleave = V.check_positive_int("interleave", interleave)
     block_size = V.check_positive_int("block_size", block_size)
     next_n = V.check_positive_int("next_n", next_n)
@@ -556,6 +547,15 @@ def shard_rows(x: Array, rank: int, world: int, *, interleave: int = 1,
     n_local = int(_cp_ref.dcp_local_lens(numpy.array([n]), rank, world, interleave)[0])
     glob = _cp_ref.dcp_to_global(xp.arange(n_local), rank, world, interleave)
     return xp.take(x, glob, axis=axis)
+
+
+def _check_rank(rank: int, world: int) -> tuple[int, int]:
+    """(rank, world) as ints, 0 <= rank < world."""
+    world = V.check_positive_int("world", world)
+    rank = V.check_nonnegative_int("rank", rank)
+    if rank >= world:
+        raise ValueError(f"Invalid rank: expected 0 <= rank < world={world}, got {rank}")
+    return rank, world
 
 
 def check_group(group: Any,

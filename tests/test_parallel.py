@@ -56,6 +56,8 @@ def test_local_indices_invert_the_shard_layout(world, interleave):
     assert np.array_equal(owners, (pos >= 0).astype(np.int64))   # each position once
     with pytest.raises(TypeError, match="integer"):
         P.dcp_local_indices(pos.astype(np.float32), 0, world)
+    with pytest.raises(ValueError, match="rank < world"):     # no rank holds anything
+        P.dcp_local_indices(pos, world, world)
 
 
 @pytest.mark.parametrize("world,interleave", LAYOUTS)
