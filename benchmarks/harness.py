@@ -6,6 +6,7 @@ replay, host time) and measures its ceilings there (copy bandwidth, bf16 and
 fp8 GEMM rates), the same way ``python -m cpsparse.bench`` does.
 """
 
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -35,6 +36,31 @@ def _timing_module():
 
 timing = _timing_module()
 cupy, torch_or_none = timing.cupy, timing.torch_or_none      # the scripts' backends
+
+
+@contextlib.contextmanager
+def module_source_override(module, src, *plan_caches):
+    """Launches inside compile ``src`` as kernel module ``module``'s source (never
+    written to disk): the compiled modules, bound kernels and the launcher's memoized
+    plans (``plan_caches``, dicts) are dropped on entry and exit, so the next launch
+    compiles the source in force. The profiles' ablations and traces use it."""
+    from cpsparse import raw_kernels
+
+    def forget_compiled():
+        raw_kernels._COMPILED.clear()
+        raw_kernels._KERNELS.clear()
+        for cache in plan_caches:
+            cache.clear()
+
+    original = raw_kernels.module_source
+    raw_kernels.module_source = (
+        lambda name: src if name == module else original(name))
+    forget_compiled()
+    try:
+        yield
+    finally:
+        raw_kernels.module_source = original
+        forget_compiled()
 
 
 def device_info():

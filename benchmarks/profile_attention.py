@@ -26,7 +26,6 @@ numbers the ablations only infer. The traced kernel is the base kernel plus thos
 stores (a few cycles a tile); its output is right.
 """
 
-import contextlib
 import json
 import os
 import sys
@@ -119,28 +118,10 @@ def trace_summary(stamps):
     return out
 
 
-@contextlib.contextmanager
 def attention_source(src):
-    """Launches inside compile ``src`` as attention.cu (never written to disk); the
-    compiled modules, bound kernels and launch plans are dropped on entry and exit, so
-    the next launch compiles the source in force."""
-    from cpsparse import raw_kernels
+    """Launches inside compile ``src`` as attention.cu (harness.module_source_override)."""
     from cpsparse.raw_kernels import attention as katt
-
-    def forget_compiled():
-        raw_kernels._COMPILED.clear()
-        raw_kernels._KERNELS.clear()
-        katt._PLANS.clear()
-
-    original = raw_kernels.module_source
-    raw_kernels.module_source = (
-        lambda module: src if module == "attention" else original(module))
-    forget_compiled()
-    try:
-        yield
-    finally:
-        raw_kernels.module_source = original
-        forget_compiled()
+    return harness.module_source_override("attention", src, katt._PLANS)
 
 
 def trace(cp, cpsparse, katt, raw_kernels, base):

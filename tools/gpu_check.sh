@@ -3,7 +3,8 @@
 # profile, the kernel benchmarks and the side-by-side peer benchmark. Logs and JSON go
 # under $OUT (default ./gpu_out). Usage:
 #   bash tools/gpu_check.sh [all|tests|bounds|profile|bench|peers]... [-- arguments...]
-# "profile" is the host-time profile and the attention kernel's ablations.
+# "profile" is the host-time profile, the attention kernel's ablations and trace, and
+# the top-k kernel's phase trace.
 # "bounds" times the public ops with this tree and with the tree in .baseline/ (copy
 # the code before a change there: git archive <rev> cpsparse | tar -x -C .baseline).
 # "bench" takes benchmark module names after "--"; "peers" passes them to bench_peers
@@ -55,6 +56,9 @@ if want profile; then
     # ... and which side of the pipeline waits for which (clock64 stamps a tile).
     timeout 120 python3 -m benchmarks.profile_attention trace 2>&1 \
         | tee "$OUT/profile_attention_trace.log" | tail -10
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    # The top-k kernel's phases (clock64 stamps a CTA), normal and low-contrast rows.
+    timeout 200 python3 -m benchmarks.profile_topk 2>&1 | tee "$OUT/profile_topk.log" | tail -8
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want bench; then

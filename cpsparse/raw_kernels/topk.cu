@@ -17,16 +17,20 @@
 //       contended atomics, and candidates too many for shared memory);
 //       the threshold bin B0 is where the count from the top reaches k.
 //       Filter pass: coarse > B0 -> emitted through an atomic cursor;
-//       coarse == B0 -> candidates.
+//       coarse == B0 -> candidates. A compare a value marks the few at or above
+//       B0 (on long slices against B0's float bounds, tk_coarse_floor), and a
+//       loop over the marks acts on them, so that the action's code is not
+//       unrolled into every value's slot (tk_marks).
 //   Finish: when the candidates number at most TK_RANK_MAX (the usual case:
-//       tens to a few hundred), they are gathered into one shared buffer (of
-//       rank 0, through distributed shared memory for a cluster) as packed
-//       (key << 32 | ~position) and each one's rank among them is counted
+//       tens to a few hundred), they are gathered into one shared list as packed
+//       (key << 32 | ~position), each CTA of a cluster writing its range of it
+//       locally and then copying the other ranges through distributed shared
+//       memory, and each one's rank among them is counted
 //       (one warp a candidate); rank < still-needed -> output slot
 //       emitted + rank. Exact, ties to the lower position, no atomics.
 //   Fallback (many candidates: heavy ties, narrow data): radix rounds on the
 //       full 32-bit key, 11 bits a round from the highest bit in which the
-//       candidates' keys differ (their range is tracked in the filter pass,
+//       candidates' keys differ (their range is found after the filter pass,
 //       over the cluster) down to bit 0: histogram,
 //       threshold digit, emit the candidates above it, keep those equal; as
 //       soon as the kept ones are few, finish as above. The round where the
@@ -68,6 +72,7 @@ struct TkSmem {
     u32 T;             // threshold digit of the round
     u32 eq_tot;        // cluster count at T
     u32 eq_before;     // count at T in lower ranks (gather offset)
+    u32 eq_start[TK_MAX_CLUSTER + 1];   // rank r's candidates: [eq_start[r], eq_start[r+1])
     u32 eq_local;      // this CTA's count at T
     u32 need;          // how many still to choose after the round's "above"
     u32 emitted;       // how many the cluster has placed, "above" of the round included
@@ -119,6 +124,39 @@ __device__ __forceinline__ u32 tk_coarse(float x, float scale, float bias) {
     return hk >> 5;
 }
 
+// The float threshold of a coarse bin: for every non-NaN x, tk_coarse(x) >= b exactly
+// when x >= the returned value (tk_coarse is monotone in the float order); NaN when no
+// float reaches b (then x >= it is false for every x, as for NaN x itself, whose coarse
+// key 0 is below any b >= 1). b >= 1. Warp-collective (every lane gets the value): a
+// 32-way search over the order keys of -inf .. +inf, 5 bits a round, so that the
+// filter pass compares floats instead of computing every value's coarse key.
+__device__ __forceinline__ float tk_key_float(u32 key) {        // tk_key's inverse
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
+__device__ __forceinline__ float tk_coarse_floor(u32 b, float scale, float bias, int lane) {
+    const unsigned long long first = 0x007FFFFFull, sentinel = 0xFF800001ull;  // -inf, past +inf
+    unsigned long long lo = first, hi = sentinel;    // the smallest key reaching b is in [lo, hi]
+    while (lo < hi) {
+        const unsigned long long step = (hi - lo + 31) / 32;
+        const unsigned long long kl = lo + (unsigned long long)lane * step;
+        const bool yes = kl >= hi || tk_coarse(tk_key_float((u32)kl), scale, bias) >= b;
+        const u32 m = __ballot_sync(0xffffffffu, yes);
+        if (m == 0u) {
+            lo = lo + 31 * step + 1;
+        } else {
+            const int j = __ffs(m) - 1;
+            const unsigned long long kj = lo + (unsigned long long)j * step;
+            if (j == 0) {
+                hi = lo;
+            } else {
+                lo = lo + (unsigned long long)(j - 1) * step + 1;
+                hi = min(kj, hi);
+            }
+        }
+    }
+    return lo >= sentinel ? __uint_as_float(0x7fc00000u) : tk_key_float((u32)lo);
+}
+
 // The coarse key's transform from per-warp statistics of the row's first values
 // (lane l < nw holds warp l's mean and max of its finite values, has: any):
 // off = the median of the warps' means, scale = the power of two that brings the
@@ -158,6 +196,42 @@ __device__ __forceinline__ void tk_adapt(float mean, float mx, bool has, int lan
     if (bias == 0.0f || !isfinite(bias)) bias = 0.0f;         // +0; c * scale overflowed: 0
 }
 
+// A bit mask of a thread's slots: bit 4 j + c for value c of u[j], the float4 unit
+// v0 + j * stride (of the row's units, whose first holds `head` values before the row),
+// set when that value is in the row's [0, n) and pred(x) holds. The passes that act on
+// few values mark them here (a compare each, unrolled) and then loop over the marks, so
+// that the action's code is there once (inlined into every unrolled slot, it streamed
+// through the instruction cache: the filter pass ran ~4x slower).
+// Interior: the caller knows every slot is in the row (no bounds tests).
+template <bool INTERIOR, int NV, class Pred>
+__device__ __forceinline__ u32 tk_marks_at(const float4 (&u)[NV], int v0, int stride, int v_hi,
+                                           int head, int n, Pred pred) {
+    static_assert(NV * 4 <= 32, "one mask bit a slot");
+    u32 marks = 0u;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int v = v0 + j * stride;
+        const int i0 = v * 4 - head;
+        const float xs[4] = {u[j].x, u[j].y, u[j].z, u[j].w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const bool in = (INTERIOR || (v < v_hi && i0 + c >= 0 && i0 + c < n)) && pred(xs[c]);
+            marks |= (in ? 1u : 0u) << (4 * j + c);
+        }
+    }
+    return marks;
+}
+// The units v0 .. v0 + (NV - 1) stride of every thread of the CTA (v0 = base + tid)
+// cover [base, base + NV stride): interior when that is inside the row's [0, n).
+template <int NV, class Pred>
+__device__ __forceinline__ u32 tk_marks(const float4 (&u)[NV], int v0, int stride, int v_hi,
+                                        int head, int n, int base, Pred pred) {
+    const int end = base + NV * stride;                  // one past the block's last unit
+    if (end <= v_hi && base * 4 - head >= 0 && end * 4 - head <= n)
+        return tk_marks_at<true>(u, v0, stride, v_hi, head, n, pred);
+    return tk_marks_at<false>(u, v0, stride, v_hi, head, n, pred);
+}
+
 __device__ __forceinline__ u64 tk_pack(u32 key, int i) {
     return ((u64)key << 32) | (u64)(~(u32)i);
 }
@@ -190,6 +264,17 @@ __device__ __forceinline__ u32 tk_load_rank(const u32* p, u32 rank) {
 }
 
 template <int C>
+__device__ __forceinline__ u64 tk_load_rank64(const u64* p, u32 rank) {
+    if (C == 1) return *p;
+    const u32 local = (u32)__cvta_generic_to_shared(p);
+    u32 remote;
+    u64 v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(remote));
+    return v;
+}
+
+template <int C>
 __device__ __forceinline__ u32 tk_sum_ranks(const u32* p) {
     u32 v[C];
 #pragma unroll
@@ -198,22 +283,6 @@ __device__ __forceinline__ u32 tk_sum_ranks(const u32* p) {
 #pragma unroll
     for (int r = 0; r < C; ++r) s += v[r];
     return s;
-}
-
-// Store into every rank's shared memory at the address of local `p`.
-template <int C>
-__device__ __forceinline__ void tk_store_all(u64* p, u64 v) {
-    if (C == 1) {
-        *p = v;
-        return;
-    }
-    const u32 local = (u32)__cvta_generic_to_shared(p);
-#pragma unroll
-    for (int r = 0; r < C; ++r) {
-        u32 remote;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
-        asm volatile("st.shared::cluster.u64 [%0], %1;" :: "r"(remote), "l"(v) : "memory");
-    }
 }
 
 // Select modes: a round that may finish with the tie cursor only when all the
@@ -277,6 +346,14 @@ __device__ __forceinline__ void tk_find_cluster(TkSmem& s, const u32* h, u32 nee
     const u32 ab = __reduce_add_sync(full, lane < rank ? a : 0u);
     const u32 eb = __reduce_add_sync(full, lane < rank ? e : 0u);
     const u32 el = __shfl_sync(full, e, rank);
+    u32 ex = e;                                             // inclusive scan over ranks
+#pragma unroll
+    for (int o = 1; o < C; o <<= 1) {
+        const u32 y = __shfl_up_sync(full, ex, o);
+        if (lane >= o) ex += y;
+    }
+    if (lane < C) s.eq_start[lane + 1] = ex;
+    if (lane == 0) s.eq_start[0] = 0u;
     if (lane == 0) tk_decide(s, T, tot_n, tot_t - tot_n, ab, eb, el, mode);
 }
 
@@ -427,22 +504,6 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
         }
     };
 
-    // Like each, but f(i, x, valid) runs for every slot, warp-uniformly (for
-    // warp collectives inside f).
-    auto each_all = [&](int t, auto&& f) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-            const int v = v_lo + t * TILE + j * THREADS + tid;
-            const int i0 = v * 4 - head;
-            const float xs[4] = {vals[j].x, vals[j].y, vals[j].z, vals[j].w};
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int i = i0 + c;
-                f(i, xs[c], v < v_hi && i >= 0 && i < n);
-            }
-        }
-    };
-
     // Threshold of a round from histogram buffer hb (suffix sums, cluster
     // totals, tk_decide); ends with a barrier.
     auto select = [&](int hb, u32 need, int mode) {
@@ -499,16 +560,29 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             if (q2 < (u32)k) orow[q2] = tk_out(s, i);
         }
     };
-    auto gather = [&](int gb, u32 key, int i) {          // into every rank's buffer gb
-        const u32 p = s.eq_before + atomicAdd(&s.ncand, 1u);
-        tk_store_all<C>(&s.cand[gb][p], tk_pack(key, i));
+    // A candidate goes to its place in the cluster-wide list, in this CTA's buffer gb:
+    // [eq_start[rank], eq_start[rank + 1]) is this CTA's range of it.
+    auto gather = [&](int gb, u32 key, int i) {
+        s.cand[gb][s.eq_before + atomicAdd(&s.ncand, 1u)] = tk_pack(key, i);
     };
-    // After the gather barrier, each CTA ranks its share of the candidates:
-    // candidate c goes to emitted + rank(c) when rank(c) < need (ranks by
-    // packed value: distinct, exact).
+    // After the gather: every CTA copies the other ranks' ranges of the list into its
+    // own buffer (one coalesced distributed-shared-memory read a candidate, instead of
+    // C remote stores each in the filter loop), then ranks its share of the candidates:
+    // candidate c goes to emitted + rank(c) when rank(c) < need (ranks by packed
+    // value: distinct, exact). Ends with no CTA reading another's memory.
     auto rank_select = [&](int gb) {
         const u32 m = s.eq_tot, need = s.need, base = s.emitted;
-        const u64* cs = s.cand[gb];
+        u64* cs = s.cand[gb];
+        tk_cluster_sync<C>();                             // every range written
+        if (C > 1) {
+            for (u32 c = tid; c < m; c += THREADS) {
+                u32 r = 0;
+#pragma unroll
+                for (int q = 1; q < C; ++q) r += c >= s.eq_start[q] ? 1u : 0u;
+                if (r != (u32)rank) cs[c] = tk_load_rank64<C>(cs + c, r);
+            }
+            tk_cluster_sync<C>();                         // copies done everywhere
+        }
         for (u32 c = (u32)(warp * C + rank); c < m; c += NW * C) {
             const u64 me = cs[c];
             u32 cnt = 0u;
@@ -536,40 +610,50 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     bool fin = s.fin != 0u;
     bool to_rank = !fin && s.eq_tot <= TK_RANK_MAX;
     const bool fits = s.eq_local <= TK_CAND;
-    const bool track = !fin && !to_rank;                  // the fallback follows
+    // The filter pass: a compare a value marks (tk_marks) the few at or above R0's
+    // threshold bin; one loop over the marks (re-reading those values from the cache)
+    // then does what R0 decided: emit the values above the bin, and in it take the
+    // ties' share, gather the list to rank, or fill the fallback's buffer (whose key
+    // range the fallback finds afterwards).
+    // On long slices (64 values a thread or more) the bin's float bounds
+    // (tk_coarse_floor) replace the coarse key: at or above the bin, x >= x_bin (every
+    // value when B0 is 0, NaN included); above it, x >= x_above. Their search costs
+    // about what 32 values' coarse keys do: measured slower on shorter slices.
+    const float* __restrict__ qf = reinterpret_cast<const float*>(qa);
+    const bool by_bounds = (long long)(v_hi - v_lo) * 4 >= 64ll * THREADS;
+    float x_bin = 0.f, x_above = 0.f;
+    if (by_bounds) {
+        x_bin = B0 > 0u ? tk_coarse_floor(B0, cscale, cbias, lane) : __int_as_float(0xff800000);
+        x_above = B0 < TK_BINS - 1 ? tk_coarse_floor(B0 + 1, cscale, cbias, lane)
+                                   : __uint_as_float(0x7fc00000u);
+    }
     for (int t = 0; t < ntiles; ++t) {
         if (ntiles > 1) load(t);                          // one tile stays in registers
-        each_all(t, [&](int i, float x, bool valid) {
-            const u32 c = tk_coarse(x, cscale, cbias);
-            if (track) {                                  // the candidates' key range
-                const bool cand = valid && c == B0;
-                const u32 key = tk_key(x);
-                const u32 lo = __reduce_min_sync(0xffffffffu, cand ? key : 0xFFFFFFFFu);
-                const u32 hi = __reduce_max_sync(0xffffffffu, cand ? key : 0u);
-                if (lane == 0 && lo <= hi) {
-                    atomicMin(&s.kmin, lo);
-                    atomicMax(&s.kmax, hi);
-                }
-            }
-            // One shared-memory atomic per emitted value: a warp-aggregated
-            // (ballot + popc) variant measured ~20% slower on prefill rows.
-            if (valid && c > B0) {
-                const u32 p = s.above_base + atomicAdd(&s.cursor, 1u);   // a register less
+        const int base = v_lo + t * TILE;
+        u32 marks = by_bounds
+            ? tk_marks(vals, base + tid, THREADS, v_hi, head, n, base,
+                       [&](float x) { return B0 == 0u || x >= x_bin; })
+            : tk_marks(vals, base + tid, THREADS, v_hi, head, n, base,
+                       [&](float x) { return tk_coarse(x, cscale, cbias) >= B0; });
+        while (marks != 0u) {
+            const int b = __ffs(marks) - 1;
+            marks &= marks - 1u;
+            const int v = v_lo + t * TILE + (b >> 2) * THREADS + tid;
+            const int i = v * 4 - head + (b & 3);
+            const float x = __ldg(qf + 4 * v + (b & 3));
+            if (by_bounds ? x >= x_above : tk_coarse(x, cscale, cbias) > B0) {
+                const u32 p = s.above_base + atomicAdd(&s.cursor, 1u);
                 if (p < (u32)k) orow[p] = tk_out(s, i);
+            } else if (fin) {
+                emit_tie(i);
+            } else if (to_rank) {
+                gather(0, tk_key(x), i);
+            } else if (fits) {
+                s.cand[0][atomicAdd(&s.ncand, 1u)] = tk_pack(tk_key(x), i);
             }
-            if (valid && c == B0) {
-                if (fin) {
-                    emit_tie(i);
-                } else if (to_rank) {
-                    gather(0, tk_key(x), i);
-                } else if (fits) {
-                    s.cand[0][atomicAdd(&s.ncand, 1u)] = tk_pack(tk_key(x), i);
-                }
-            }
-        });
+        }
     }
     if (to_rank) {
-        tk_cluster_sync<C>();
         rank_select(0);
         return;                                   // nobody reads another CTA's memory now
     }
@@ -578,6 +662,57 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     // ---- Fallback: radix rounds on the full key, 11 bits a round from the highest
     // bit in which the keys of R0's threshold bin differ down to bit 0: the bits
     // above it are common to every candidate and need no round.
+    bool src_glob = !fits;
+    u32 ncur = s.eq_local;
+    int cb = 0;
+    // Candidates: coarse == B0 && key >> lvl_shift == P (the bits decided so far);
+    // lvl_shift 32: none decided.
+    int lvl_shift = 32;
+    u32 P = 0u;
+    // The candidates of the round: from the buffer, or (a CTA whose bin did not fit) a
+    // rescan of the slice, marked (tk_marks) so that f is inlined once.
+    auto for_cands = [&](auto&& f) {
+        if (src_glob) {
+            const float sc = s.scale[warp], bi = s.bias[warp];
+            // two float4 a thread in flight (no tile: the registers are not there)
+            for (int v0 = v_lo + tid; v0 < v_hi; v0 += 2 * THREADS) {
+                float4 u[2];
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int v = v0 + j * THREADS;
+                    u[j] = v < v_hi ? __ldg(qa + v) : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+                const u32 marks = tk_marks(u, v0, THREADS, v_hi, head, n, v0 - tid, [&](float x) {
+                    return tk_coarse(x, sc, bi) == B0 &&
+                           (lvl_shift >= 32 || (tk_key(x) >> lvl_shift) == P);
+                });
+                for (u32 m = marks; m != 0u; m &= m - 1u) {
+                    const int b = __ffs(m) - 1;
+                    const int v = v0 + (b >> 2) * THREADS;
+                    f(v * 4 - head + (b & 3), tk_key(__ldg(qf + 4 * v + (b & 3))));
+                }
+            }
+        } else {
+            for (u32 c = tid; c < ncur; c += THREADS) {
+                const u64 v = s.cand[cb][c];
+                f((int)~(u32)v, (u32)(v >> 32));
+            }
+        }
+    };
+    {   // the key range of R0's threshold bin (its candidates, none decided yet)
+        u32 lo = 0xFFFFFFFFu, hi = 0u;
+        for_cands([&](int, u32 key) {
+            lo = min(lo, key);
+            hi = max(hi, key);
+        });
+        lo = __reduce_min_sync(0xffffffffu, lo);
+        hi = __reduce_max_sync(0xffffffffu, hi);
+        if (lane == 0 && lo <= hi) {
+            atomicMin(&s.kmin, lo);
+            atomicMax(&s.kmax, hi);
+        }
+        __syncthreads();
+    }
     u32 kmin = s.kmin, kmax = s.kmax;
     if (C > 1) {                                  // the range over the cluster
         tk_cluster_sync<C>();
@@ -596,31 +731,8 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
         kmax = s.ckmax;
     }
     const u32 kx = kmin ^ kmax;
-    bool src_glob = !fits;
-    u32 ncur = s.eq_local;
-    int cb = 0;
-    // Candidates: coarse == B0 && key >> lvl_shift == P (the bits decided so far);
-    // lvl_shift 32: none decided.
-    int lvl_shift = kx ? 32 - __clz(kx) : 0;
-    u32 P = lvl_shift >= 32 ? 0u : kmin >> lvl_shift;
-    auto for_cands = [&](auto&& f) {
-        if (src_glob) {
-            for (int t = 0; t < ntiles; ++t) {
-                load(t);                                  // rare path: reload, keep no registers
-                each(t, [&](int i, float x) {
-                    if (tk_coarse(x, s.scale[warp], s.bias[warp]) == B0) {
-                        const u32 key = tk_key(x);
-                        if (lvl_shift >= 32 || (key >> lvl_shift) == P) f(i, key);
-                    }
-                });
-            }
-        } else {
-            for (u32 c = tid; c < ncur; c += THREADS) {
-                const u64 v = s.cand[cb][c];
-                f((int)~(u32)v, (u32)(v >> 32));
-            }
-        }
-    };
+    lvl_shift = kx ? 32 - __clz(kx) : 0;
+    P = lvl_shift >= 32 ? 0u : kmin >> lvl_shift;
     while (!fin) {
         const int shift = max(0, lvl_shift - 11);
         const int wbits = lvl_shift - shift;            // 0..11 (0: all keys equal)
@@ -651,7 +763,6 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             }
         });
         if (to_rank) {
-            tk_cluster_sync<C>();
             rank_select(nb);
             return;
         }
@@ -684,8 +795,10 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
                                  next_n, mode, k, out, block_table, bt_cols, bs_shift);   \
     }
 
+// The cluster variants run one CTA an SM (choose_cluster keeps their grid within one
+// wave): their register budget is 128 a thread, where c1 and c1_t256 share an SM.
 TK_KERNEL(512, 4, 1, 2, c1, )
 TK_KERNEL(256, 4, 1, 4, c1_t256, )
-TK_KERNEL(512, 8, 2, 2, c2, __cluster_dims__(2, 1, 1))
-TK_KERNEL(512, 8, 4, 2, c4, __cluster_dims__(4, 1, 1))
-TK_KERNEL(512, 8, 8, 2, c8, __cluster_dims__(8, 1, 1))
+TK_KERNEL(512, 8, 2, 1, c2, __cluster_dims__(2, 1, 1))
+TK_KERNEL(512, 8, 4, 1, c4, __cluster_dims__(4, 1, 1))
+TK_KERNEL(512, 8, 8, 1, c8, __cluster_dims__(8, 1, 1))

@@ -1,0 +1,168 @@
+"""Where the top-k kernel's time goes, phase by phase (a diagnostic, not a benchmark).
+
+Run on a GPU machine from the repository root::
+
+    PYTHONPATH=$PWD python3 -m benchmarks.profile_topk
+
+It compiles ``topk.cu`` with clock64 stamps (a text substitution in the module source,
+never written to disk; the traced kernel's output is right) taken by thread 0 of every
+CTA at the phase boundaries of ``tk_body``: start, the coarse histogram pass (R0)
+begins, R0 ends, R0's threshold is chosen, the filter pass ends, the fallback radix
+rounds begin (only where they run), the row is done; and the global timer at start and
+done (the kernel's span over all CTAs, and how late the last one starts). For the
+``topk_*`` shapes of DESIGN section 12 (normal and low-contrast inputs) it prints, over
+the CTAs that took the long-row path, the median, p90 and maximum of each phase in
+microseconds at the SM clock, with the untraced kernel's graph-replay time beside them.
+A maximum far above the p90 is one slow CTA (a cluster's fallback that rescans its
+slice), which sets the kernel's time. No ablations: with a part of the filter pass
+removed, the compiler drops what fed it too (an early try timed a pass that no longer
+computed anything). Results: stdout and ``$OUT/profile_topk.json`` when set.
+"""
+
+import json
+import os
+import sys
+
+from benchmarks import harness
+
+TRACE_CTAS = 16384
+EVENTS = ("start", "r0_begin", "r0_end", "r0_select", "filter_end", "fallback", "done")
+# and the global timer (ns, comparable across SMs) at start and done: the kernel's span
+GLOBAL_EVENTS = ("gstart", "gdone")
+PHASES = (("adapt", "start", "r0_begin"), ("r0_histogram", "r0_begin", "r0_end"),
+          ("r0_select", "r0_end", "r0_select"), ("filter", "r0_select", "filter_end"),
+          ("finish", "filter_end", "done"), ("total", "start", "done"))
+SHAPES = [("prefill", 8192, 8192, ""), ("decode", 64, 32768, ""), ("decode", 64, 131072, ""),
+          ("decode", 64, 131072, "_low10bits"), ("decode", 4, 131072, ""),
+          ("decode", 1, 131072, "")]
+
+_STAMP = "tk_trace_at"
+# (anchor, replacement): each anchor must occur once in topk.cu (tests/test_profile_topk.py).
+TRACE = [
+    ("#define TK_MAX_CLUSTER 8\n",
+     "#define TK_MAX_CLUSTER 8\n"
+     f"__device__ long long tk_trace[{TRACE_CTAS}][{len(EVENTS) + len(GLOBAL_EVENTS)}];\n"
+     f"__device__ __forceinline__ void {_STAMP}(int ev) {{\n"
+     f"    if (threadIdx.x == 0 && blockIdx.x < {TRACE_CTAS}) {{\n"
+     "        tk_trace[blockIdx.x][ev] = clock64();\n"
+     "        if (ev == 0 || ev == 6) {\n"
+     "            long long g;\n"
+     '            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));\n'
+     f"            tk_trace[blockIdx.x][{len(EVENTS)} + (ev == 6)] = g;\n"
+     "        }\n"
+     "    }\n"
+     "}\n"),
+    ("    const int rank = C > 1 ? (int)tk_cluster_rank() : 0;\n",
+     "    const int rank = C > 1 ? (int)tk_cluster_rank() : 0;\n"
+     f"    {_STAMP}(0);\n"),
+    ("    // ---- R0: every value of the slice",
+     f"    {_STAMP}(1);\n"
+     "    // ---- R0: every value of the slice"),
+    ("    select(0, (u32)k, TK_ROUND);\n",
+     f"    {_STAMP}(2);\n"
+     "    select(0, (u32)k, TK_ROUND);\n"
+     f"    {_STAMP}(3);\n"),
+    ("    if (to_rank) {\n        rank_select(0);\n",
+     f"    {_STAMP}(4);\n"
+     "    if (to_rank) {\n        rank_select(0);\n"
+     f"        {_STAMP}(6);\n"),
+    ("    // ---- Fallback: radix rounds",
+     f"    {_STAMP}(5);\n"
+     "    // ---- Fallback: radix rounds"),
+    ("            rank_select(nb);\n",
+     "            rank_select(nb);\n"
+     f"            {_STAMP}(6);\n"),
+    ("    if (C > 1) tk_cluster_sync<C>();            // no CTA leaves",
+     f"    {_STAMP}(6);\n"
+     "    if (C > 1) tk_cluster_sync<C>();            // no CTA leaves"),
+]
+
+
+def traced_source(source):
+    """``source`` (topk.cu's module source) with the stamps of TRACE inserted."""
+    for old, new in TRACE:
+        if source.count(old) != 1:
+            raise ValueError(f"trace: expected one occurrence of {old!r} in topk.cu, got "
+                             f"{source.count(old)}")
+        source = source.replace(old, new)
+    return source
+
+
+def summarize(stamps, mhz):
+    """Per-phase median and p90 (us at ``mhz``) over the CTAs whose row took the long
+    path (stamps int64 [ctas, events], 0 = not reached), and how many ran the fallback."""
+    import numpy as np
+    s = np.asarray(stamps, dtype=np.int64)
+    ix = {e: i for i, e in enumerate(EVENTS)}
+    long_path = (s[:, ix["r0_begin"]] > 0) & (s[:, ix["done"]] > 0)
+    out = {"ctas": int(long_path.sum()),
+           "fallback_ctas": int((long_path & (s[:, ix["fallback"]] > 0)).sum())}
+    if s.shape[1] > len(EVENTS):               # global timer: first start to last done
+        g0, g1 = s[:, len(EVENTS)], s[:, len(EVENTS) + 1]
+        ran = g0 > 0
+        out["span_us"] = float((g1[ran].max() - g0[ran].min()) / 1e3) if ran.any() else None
+        out["last_start_us"] = float((g0[ran].max() - g0[ran].min()) / 1e3) if ran.any() \
+            else None
+    for name, a, b in PHASES:
+        d = (s[long_path, ix[b]] - s[long_path, ix[a]]) / mhz
+        out[name] = ({"median_us": float(np.median(d)), "p90_us": float(np.percentile(d, 90)),
+                      "max_us": float(d.max())} if d.size else None)
+    return out
+
+
+def main(argv=None):
+    cp = harness.cupy()
+    import cpsparse
+    from benchmarks.bench_peers import K, _topk_logits
+    from cpsparse import raw_kernels, timing
+    from cpsparse.raw_kernels import topk as ktopk
+
+    cpsparse.set_device_value_checks(False)
+    mhz = cp.cuda.Device().attributes["ClockRate"] / 1e3
+    base = raw_kernels.module_source("topk")
+    results = {}
+    for mode, m, width, variant in SHAPES:
+        name = (f"topk_prefill_{m}x{width}_causal" if mode == "prefill"
+                else f"topk_decode_{m}x{width}") + variant
+        sets = [(_topk_logits(cp, mode, m, width, variant),) for _ in range(2)]
+        out = cp.empty((m, K), cp.int32)
+        if mode == "prefill":
+            starts, lens = cp.zeros(m, cp.int32), cp.arange(1, m + 1, dtype=cp.int32)
+
+            def call(x):
+                return cpsparse.topk_per_row(x, starts, lens, K, out=out)
+        else:
+            lens = cp.full(m, width, cp.int32)
+
+            def call(x):
+                return cpsparse.topk_per_row_decode(x, lens, 1, K, out=out)
+        g = timing.time_graph(call, sets, reps=4, warmup=2, iters=15)
+        with harness.module_source_override("topk", traced_source(base), ktopk._PLANS):
+            for _ in range(3):                          # compile, then steady state
+                call(sets[0][0])
+            cp.cuda.Device().synchronize()
+            buf = raw_kernels.get_module("topk").get_global("tk_trace")
+            stamps = cp.ndarray((TRACE_CTAS, len(EVENTS) + len(GLOBAL_EVENTS)), cp.int64, buf)
+            stamps.fill(0)
+            call(sets[1][0])
+            cp.cuda.Device().synchronize()
+            summary = summarize(stamps.get(), mhz)
+        summary["graph_us"] = g["median_ms"] * 1e3
+        results[name] = summary
+        phases = "  ".join(f"{p} {summary[p]['median_us']:.1f}/{summary[p]['p90_us']:.1f}"
+                           f"/{summary[p]['max_us']:.1f}"
+                           for p, _, _ in PHASES if summary[p] is not None)
+        print(f"{name}: graph {summary['graph_us']:.1f} us, span {summary['span_us']:.1f} us "
+              f"(last CTA starts at {summary['last_start_us']:.1f}), {summary['ctas']} CTAs "
+              f"({summary['fallback_ctas']} fallback); median/p90/max us: {phases}",
+              flush=True)
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "profile_topk.json"), "w") as f:
+            json.dump({"device": harness.device_info(), "sm_mhz": mhz, "shapes": results},
+                      f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,72 @@
+"""The top-k profile's stamps still hit the kernel source, and its summary reads
+the phases right (CPU only; the traced source compiles where NVRTC is installed)."""
+
+import numpy as np
+import pytest
+
+from benchmarks import profile_topk as P
+from cpsparse import raw_kernels
+
+
+def test_every_stamp_lands_once():
+    base = raw_kernels.module_source("topk")
+    src = P.traced_source(base)
+    for event in range(len(P.EVENTS)):
+        assert f"{P._STAMP}({event});" in src, P.EVENTS[event]
+    # done is stamped on each of the three ways out of the long-row path
+    assert src.count(f"{P._STAMP}(6);") == 3
+
+
+def test_a_stale_anchor_is_an_error(monkeypatch):
+    monkeypatch.setattr(P, "TRACE", P.TRACE + [("no such text in topk.cu", "")])
+    with pytest.raises(ValueError, match="expected one occurrence"):
+        P.traced_source(raw_kernels.module_source("topk"))
+
+
+def test_summary_reads_each_phase_over_long_rows_only():
+    """3 CTAs at 1000 MHz (1 cycle = 1 ns): two long rows (one through the fallback),
+    one short row (only its start stamped: left out)."""
+    s = np.zeros((5, len(P.EVENTS)), np.int64)
+    s[0] = [100, 1100, 5100, 5600, 8600, 0, 9600]            # us: 1, 4, .5, 3, 1
+    s[1] = [200, 1200, 7200, 7700, 10700, 10800, 13700]      # 1, 6, .5, 3, 3 (fallback)
+    s[2, 0] = 300
+    got = P.summarize(s, 1000.0)
+    assert got["ctas"] == 2 and got["fallback_ctas"] == 1
+    assert got["adapt"]["median_us"] == pytest.approx(1.0)
+    assert got["r0_histogram"]["median_us"] == pytest.approx(5.0)
+    assert got["r0_select"]["median_us"] == pytest.approx(0.5)
+    assert got["filter"]["median_us"] == pytest.approx(3.0)
+    assert got["finish"]["median_us"] == pytest.approx(2.0)
+    assert got["total"]["median_us"] == pytest.approx(11.5)           # 9.5 and 13.5
+    assert got["total"]["p90_us"] == pytest.approx(9.5 + 0.9 * 4)
+
+
+def test_traced_source_compiles(monkeypatch):
+    """The stamps' registers push the tightest variants over 64 a thread: a few bytes of
+    spills are allowed in this diagnostic (the profile's numbers are then a little high)."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="needs the [nvrtc] extra")
+    from tests.test_kernel_compile import compile_module, kernel_reports
+    src = P.traced_source(raw_kernels.module_source("topk"))
+    original = raw_kernels.module_source
+    monkeypatch.setattr(raw_kernels, "module_source",
+                        lambda name: src if name == "topk" else original(name))
+    ok, log = compile_module("topk")
+    assert ok, log
+    reports = kernel_reports(log)
+    assert reports and all(r[1] + r[2] <= 128 for r in reports.values()), reports
+
+
+def test_summary_span_from_the_global_timer():
+    """The kernel's span runs from the first CTA's start to the last one's end, over
+    every CTA that started (short rows too: they end before 'done' is stamped)."""
+    e = len(P.EVENTS)
+    s = np.zeros((3, e + len(P.GLOBAL_EVENTS)), np.int64)
+    s[0, :e] = [100, 1100, 5100, 5600, 8600, 0, 9600]
+    s[0, e:] = [50_000, 60_000]                   # ns
+    s[1, :e] = [100, 1100, 5100, 5600, 8600, 0, 9600]
+    s[1, e:] = [52_000, 90_000]
+    s[2, 0], s[2, e] = 300, 51_000                # a short row: started, no 'done'
+    got = P.summarize(s, 1000.0)
+    assert got["span_us"] == pytest.approx(40.0)
+    assert got["last_start_us"] == pytest.approx(2.0)
+    assert got["ctas"] == 2
