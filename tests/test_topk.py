@@ -392,3 +392,24 @@ def test_decode_block_table_gives_slots(block_size, two_d):
     with pytest.raises(ValueError, match=r"Invalid shape of block_table: expected \[B, "):
         topk_per_row_decode(logits, ctx, next_n, k, block_table=table[:2],
                             block_size=block_size)
+
+
+@pytest.mark.parametrize("width, ok", [(2**31 - 8, True), (2**31 - 7, False), (2**31, False)])
+def test_kernel_launcher_refuses_rows_its_int32_unit_count_cannot_hold(width, ok, monkeypatch):
+    """A row of 2**31 - 7 values, three of them before a 16-byte boundary, has more 16-byte
+    units than int32 counts: refused before anything launches (CPU: a shape-only stand-in;
+    a row within the limit gets as far as the launch plan, which needs a GPU)."""
+    from cpsparse.raw_kernels import topk as ktopk
+
+    class Shape:
+        shape = (1, width)
+
+    class Planned(Exception):
+        pass
+
+    def plan(*args):
+        raise Planned
+
+    monkeypatch.setattr(ktopk, "_plan", plan)
+    with pytest.raises(Planned if ok else ValueError, match=None if ok else "at most"):
+        ktopk._launch(None, Shape(), None, None, None, 1, ktopk.MODE_ROWS, 2048, None, None)

@@ -25,6 +25,9 @@ DEFAULT_VARIANT = {1: "c1", 2: "c2", 4: "c4", 8: "c8"}
 CLUSTERS = tuple(sorted(DEFAULT_VARIANT))
 SHORT_WIDTH = 16384        # rows no wider than this never split
 MIN_SLICE = 4096           # a CTA's share of a row is at least this many values
+# The kernel counts a row's 16-byte units in int32 from the aligned address at or below
+# its start: up to 3 values before the row and 3 after it must fit too.
+MAX_WIDTH = INT32_MAX - 7
 
 MODE_ROWS, MODE_DECODE, MODE_DECODE_2D = 0, 1, 2
 # cps_topk_* parameters: logits, width, row_starts, row_ends, context_lens, next_n, mode,
@@ -82,9 +85,9 @@ def _launch(cp, logits, row_starts, row_ends, context_lens, next_n, mode, k, out
     rows, width = logits.shape
     if rows == 0 or k == 0:
         return out
-    if width > INT32_MAX or k > INT32_MAX:
-        raise ValueError(f"Invalid shape of logits: rows and k must stay below 2**31, got "
-                         f"width={width}, k={k}")
+    if width > MAX_WIDTH or k > INT32_MAX:
+        raise ValueError(f"Invalid shape of logits: the top-k kernel takes rows of at most "
+                         f"{MAX_WIDTH} values and k below 2**31, got width={width}, k={k}")
     fn, cluster, threads = _plan(rows, width, cluster, variant)
     if block_table is None:
         table, cols, shift = None, 0, 0
