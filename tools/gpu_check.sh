@@ -81,4 +81,12 @@ if want peers; then
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     cp "$PEERS_DIR"/*.log "$OUT/" 2>/dev/null
 fi
+# The device tool brings back at most 8 files from $OUT: past that, everything goes into
+# one archive and the main results stay beside it.
+if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+    (cd "$OUT" && tar -czf ../gpu_check_all.tgz --exclude=gpu_check_all.tgz . \
+        && find . -maxdepth 1 -type f ! -name peers.json ! -name gpu_tests.log \
+            ! -name bench_peers.log -delete && mv ../gpu_check_all.tgz .)
+    echo "== $OUT: more than 8 files, all of them in gpu_check_all.tgz"
+fi
 exit $status
