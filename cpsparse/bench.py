@@ -530,15 +530,61 @@ def _pyplot():
     return plt
 
 
+def context_label(tokens):
+    """A context length as the plots print it: ``32K`` for whole multiples of 1024,
+    else the number itself (a 512-token context is not "0K").
+
+    Examples
+    --------
+    >>> from cpsparse.bench import context_label
+    >>> context_label(32768), context_label(512), context_label(1500)
+    ('32K', '512', '1500')
+    """
+    tokens = int(tokens)
+    return f"{tokens // 1024}K" if tokens >= 1024 and tokens % 1024 == 0 else str(tokens)
+
+
+def run_label(results):
+    """What ran the figures, for the plots' titles: the GPU's name, or the CPU.
+
+    Examples
+    --------
+    >>> from cpsparse.bench import run_label
+    >>> run_label({"backend": "cupy", "device": "NVIDIA H200"})
+    'NVIDIA H200'
+    >>> run_label({"backend": "numpy", "host": {"machine": "x86_64"}})
+    'NumPy on the CPU (x86_64), small sizes'
+    """
+    if results.get("device"):
+        return str(results["device"])
+    machine = (results.get("host") or {}).get("machine")
+    return "NumPy on the CPU" + (f" ({machine})" if machine else "") + ", small sizes"
+
+
+def _legend_outside(ax, top_first=False, **kwargs):
+    """The legend right of the axes, never over the bars (``top_first``: entries in the
+    order a stacked bar shows them, top down)."""
+    handles, labels = ax.get_legend_handles_labels()
+    if top_first:
+        handles, labels = handles[::-1], labels[::-1]
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+              borderaxespad=0.0, **kwargs)
+
+
 def plot(results, out_dir):
-    """PNG plots of each scenario; returns the files written (none without matplotlib)."""
+    """PNG plots of each scenario; returns the files written (none without matplotlib).
+
+    Each title names what ran the figures (:func:`run_label`), contexts read as
+    :func:`context_label` prints them, and legends sit right of the axes.
+    """
     plt = _pyplot()
     if plt is None:
         return []
     files = []
+    where = run_label(results)
     rows = results["scenarios"].get("short_prefill")
     if rows:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig, ax = plt.subplots(figsize=(7.5, 3.5))
         xs = [str(r["tokens"]) for r in rows]
         for shift, key, label in ((-0.2, "gate_off", "gate disabled"),
                                   (0.2, "gate_on", "gate enabled")):
@@ -549,24 +595,24 @@ def plot(results, out_dir):
         ax.set_xticks(range(len(xs)), xs)
         ax.set_xlabel(f"prefill tokens (index_topk {rows[0]['topk']})")
         ax.set_ylabel("indexer time in the layer forward (ms)")
-        ax.set_title("Short-prefill skip (construction gate)")
-        ax.legend()
+        ax.set_title(f"Short-prefill skip (construction gate), {where}", fontsize=9)
+        _legend_outside(ax)
         files.append(_save(fig, out_dir, "short_prefill.png"))
     rows = results["scenarios"].get("mtp")
     if rows:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        labels = [f"B={r['batch']}\nctx={r['context']}" for r in rows]
+        fig, ax = plt.subplots(figsize=(7.5, 3.5))
+        labels = [f"B={r['batch']}\nctx {context_label(r['context'])}" for r in rows]
         ax.bar(range(len(rows)), [r["speedup"] for r in rows])
         ax.axhline(2.0, color="gray", ls="--", label="target 2.0x")
         ax.set_xticks(range(len(rows)), labels, fontsize=7)
         ax.set_ylabel("steps 1+: recompute / reuse")
-        ax.set_title("MTP step-0 top-k reuse (MTPDrafter)")
-        ax.legend()
+        ax.set_title(f"MTP step-0 top-k reuse (MTPDrafter), {where}", fontsize=9)
+        _legend_outside(ax)
         files.append(_save(fig, out_dir, "mtp_reuse.png"))
     rows = results["scenarios"].get("decode_step")
     if rows:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        labels = [f"B={r['batch']}\n{r['context'] // 1024}K" for r in rows]
+        fig, ax = plt.subplots(figsize=(8.5, 3.5))
+        labels = [f"B={r['batch']}\nctx {context_label(r['context'])}" for r in rows]
         bottom = [0.0] * len(rows)
         for key in ("projections_ms", "indexer_ms", "topk_ms", "slots_ms", "attention_ms"):
             vals = [r.get(key) or 0.0 for r in rows]
@@ -574,8 +620,8 @@ def plot(results, out_dir):
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.set_xticks(range(len(rows)), labels, fontsize=7)
         ax.set_ylabel("ms per decode step")
-        ax.set_title("Decode step of one layer")
-        ax.legend(fontsize=7)
+        ax.set_title(f"Decode step of one layer, {where}", fontsize=9)
+        _legend_outside(ax, top_first=True, fontsize=7)
         files.append(_save(fig, out_dir, "decode_step.png"))
     return files
 

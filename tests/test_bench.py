@@ -228,3 +228,45 @@ def test_benchmark_modules_touch_no_device_at_import():
                           text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "benchmarks.bench_host" in BENCH_MODULES and "benchmarks.harness" in BENCH_MODULES
+
+
+def test_plots_name_the_device_label_contexts_and_keep_legends_off_the_bars(tmp_path,
+                                                                           monkeypatch):
+    pytest.importorskip("matplotlib")
+    figures = {}
+    real_save = bench._save
+
+    def keep(fig, out_dir, name):
+        ax = fig.axes[0]
+        fig.canvas.draw()
+        legend = ax.get_legend()
+        figures[name] = dict(
+            title=ax.get_title(), ticks=[t.get_text() for t in ax.get_xticklabels()],
+            legend_x0=legend.get_window_extent().x0 if legend else None,
+            axes_x1=ax.get_window_extent().x1)
+        return real_save(fig, out_dir, name)
+
+    monkeypatch.setattr(bench, "_save", keep)
+    band = [0.9, 1.1]
+    results = {"backend": "cupy", "device": "NVIDIA H200", "scenarios": {
+        "short_prefill": [dict(tokens=t, topk=2048, gate_off_ms=1.0, gate_off_p10_p90_ms=band,
+                               gate_on_ms=0.1, gate_on_p10_p90_ms=[0.09, 0.11])
+                          for t in (256, 1024)],
+        "mtp": [dict(batch=1, context=512, speedup=2.1), dict(batch=8, context=32768,
+                                                                speedup=2.0)],
+        "decode_step": [dict(batch=1, context=512, projections_ms=0.1, indexer_ms=0.1,
+                             topk_ms=0.1, slots_ms=0.01, attention_ms=0.2),
+                        dict(batch=64, context=32768, projections_ms=0.1, indexer_ms=0.1,
+                             topk_ms=0.1, slots_ms=0.01, attention_ms=0.2)]}}
+    files = bench.plot(results, tmp_path)
+    assert sorted(pathlib.Path(f).name for f in files) == sorted(figures)
+    assert len(figures) == 3
+    for name, fig in figures.items():
+        assert "NVIDIA H200" in fig["title"], name
+        assert fig["legend_x0"] is not None and fig["legend_x0"] >= fig["axes_x1"], name
+    assert figures["mtp_reuse.png"]["ticks"] == ["B=1\nctx 512", "B=8\nctx 32K"]
+    assert figures["decode_step.png"]["ticks"] == ["B=1\nctx 512", "B=64\nctx 32K"]
+    results.pop("device")
+    results["host"] = {"machine": "x86_64"}
+    bench.plot(results, tmp_path)
+    assert all("NumPy on the CPU" in f["title"] for f in figures.values())
