@@ -38,6 +38,18 @@ timing = _timing_module()
 cupy, torch_or_none = timing.cupy, timing.torch_or_none      # the scripts' backends
 
 
+def substitute(source, substitutions, what):
+    """``source`` with each (old, new) of ``substitutions`` applied, every ``old``
+    required to occur exactly once (a ValueError naming ``what`` otherwise): a profile's
+    variant or trace cannot silently leave the kernel as it was."""
+    for old, new in substitutions:
+        if source.count(old) != 1:
+            raise ValueError(f"{what}: expected one occurrence of {old!r}, got "
+                             f"{source.count(old)}")
+        source = source.replace(old, new)
+    return source
+
+
 @contextlib.contextmanager
 def module_source_override(module, src, *plan_caches):
     """Launches inside compile ``src`` as kernel module ``module``'s source (never

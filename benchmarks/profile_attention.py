@@ -84,12 +84,8 @@ TRACE = [
 
 def variant_source(source, name):
     """``source`` with the substitutions of variant ``name`` (or ``"trace"``) applied."""
-    for old, new in (TRACE if name == "trace" else VARIANTS[name]):
-        if source.count(old) != 1:
-            raise ValueError(f"variant {name}: expected one occurrence of {old!r} in "
-                             f"attention.cu, got {source.count(old)}")
-        source = source.replace(old, new)
-    return source
+    return harness.substitute(source, TRACE if name == "trace" else VARIANTS[name],
+                              f"variant {name} of attention.cu")
 
 
 def trace_summary(stamps):

@@ -37,6 +37,7 @@ SHAPES = [("prefill", 8192, 8192, ""), ("decode", 64, 32768, ""), ("decode", 64,
           ("decode", 1, 131072, "")]
 
 _STAMP = "tk_trace_at"
+_DONE = EVENTS.index("done")
 # (anchor, replacement): each anchor must occur once in topk.cu (tests/test_profile_topk.py).
 TRACE = [
     ("#define TK_MAX_CLUSTER 8\n",
@@ -45,10 +46,10 @@ TRACE = [
      f"__device__ __forceinline__ void {_STAMP}(int ev) {{\n"
      f"    if (threadIdx.x == 0 && blockIdx.x < {TRACE_CTAS}) {{\n"
      "        tk_trace[blockIdx.x][ev] = clock64();\n"
-     "        if (ev == 0 || ev == 6) {\n"
+     f"        if (ev == 0 || ev == {_DONE}) {{\n"
      "            long long g;\n"
      '            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));\n'
-     f"            tk_trace[blockIdx.x][{len(EVENTS)} + (ev == 6)] = g;\n"
+     f"            tk_trace[blockIdx.x][{len(EVENTS)} + (ev == {_DONE})] = g;\n"
      "        }\n"
      "    }\n"
      "}\n"),
@@ -65,27 +66,22 @@ TRACE = [
     ("    if (to_rank) {\n        rank_select(0);\n",
      f"    {_STAMP}(4);\n"
      "    if (to_rank) {\n        rank_select(0);\n"
-     f"        {_STAMP}(6);\n"),
+     f"        {_STAMP}({_DONE});\n"),
     ("    // ---- Fallback: radix rounds",
      f"    {_STAMP}(5);\n"
      "    // ---- Fallback: radix rounds"),
     ("            rank_select(nb);\n",
      "            rank_select(nb);\n"
-     f"            {_STAMP}(6);\n"),
+     f"            {_STAMP}({_DONE});\n"),
     ("    if (C > 1) tk_cluster_sync<C>();            // no CTA leaves",
-     f"    {_STAMP}(6);\n"
+     f"    {_STAMP}({_DONE});\n"
      "    if (C > 1) tk_cluster_sync<C>();            // no CTA leaves"),
 ]
 
 
 def traced_source(source):
     """``source`` (topk.cu's module source) with the stamps of TRACE inserted."""
-    for old, new in TRACE:
-        if source.count(old) != 1:
-            raise ValueError(f"trace: expected one occurrence of {old!r} in topk.cu, got "
-                             f"{source.count(old)}")
-        source = source.replace(old, new)
-    return source
+    return harness.substitute(source, TRACE, "trace of topk.cu")
 
 
 def summarize(stamps, mhz):

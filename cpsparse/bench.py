@@ -15,8 +15,9 @@ rotating inputs, CUDA events on CuPy, ``perf_counter`` on NumPy).
   the layer decides, the indexer only obeys. Timed: the indexer call inside the
   forward (``sparse_attn_indexer``, a :class:`cpsparse.timing.Probe`; the layer's
   key step has cached the keys before it, as the seed's fused norm / RoPE / insert
-  kernel does, and passes ``skip_k_cache_insert=True``) and the whole forward. The reduction is reported where the gate fires (L <=
-  index_topk); the rows past ``index_topk`` say the gate cannot fire.
+  kernel does, and passes ``skip_k_cache_insert=True``) and the whole forward. The
+  reduction is reported where the gate fires (L <= index_topk); the rows past
+  ``index_topk`` say the gate cannot fire.
 * ``mtp``: a real :class:`cpsparse.mtp.MTPDrafter` round of 3 steps (step 0
   scores, steps 1+ reuse its top-k) against a round where every step scores
   again (a ``num_steps=1`` drafter called per step); the time of steps 1+.
