@@ -36,7 +36,7 @@
 //       soon as the kept ones are few, finish as above. The round where the
 //       candidates equal to the threshold are all needed, or the last round
 //       (identical keys), takes exactly the remaining count through a second
-//       cursor. A CTA whose candidates do not fit its buffer (TK_CAND) keeps
+//       cursor. A CTA whose candidates do not fit its buffer (CAND) keeps
 //       none and rescans its global slice with the candidate predicate
 //       (coarse == B0 and the key prefix decided so far): exact, never drops.
 //
@@ -51,13 +51,11 @@
 // Everything stays on the launching stream; no host synchronisation.
 
 #define TK_BINS 2048
-#define TK_CAND 1024
 #define TK_RANK_MAX 512
 #define TK_MAX_CLUSTER 8
 
 struct TkSmem {
     u32 hist[2][TK_BINS];
-    u64 cand[2][TK_CAND];   // (key << 32) | ~position: larger = ranks first
     u32 wtot[32];
     float wmean[32];   // tk_adapt's statistics of the row's first values, a warp each
     float wmax[32];
@@ -357,7 +355,7 @@ __device__ __forceinline__ void tk_find_cluster(TkSmem& s, const u32* h, u32 nee
     if (lane == 0) tk_decide(s, T, tot_n, tot_t - tot_n, ab, eb, el, mode);
 }
 
-template <int THREADS, int VEC, int C>
+template <int THREADS, int VEC, int C, int CAND>
 __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long long width,
                                         const int* __restrict__ row_starts,
                                         const int* __restrict__ row_ends,
@@ -370,6 +368,12 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     static_assert(TK_BINS % THREADS == 0, "bins per thread");
     static_assert(C >= 1 && C <= TK_MAX_CLUSTER, "cluster size");
     __shared__ TkSmem s;
+    // Two candidate buffers of CAND packed (key << 32) | ~position (larger ranks first),
+    // in dynamic shared memory: 2 * CAND * 8 bytes a launch (topk.py). The cluster
+    // variants, one CTA an SM, take 8192 each, so that crowded bins (a low-contrast
+    // row's ~1000-2000 a CTA) stay in shared memory instead of rescanning the slice.
+    extern __shared__ __align__(16) u64 tk_cand[];
+    auto cand = [&](int b) { return tk_cand + b * CAND; };
 
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
@@ -563,7 +567,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     // A candidate goes to its place in the cluster-wide list, in this CTA's buffer gb:
     // [eq_start[rank], eq_start[rank + 1]) is this CTA's range of it.
     auto gather = [&](int gb, u32 key, int i) {
-        s.cand[gb][s.eq_before + atomicAdd(&s.ncand, 1u)] = tk_pack(key, i);
+        cand(gb)[s.eq_before + atomicAdd(&s.ncand, 1u)] = tk_pack(key, i);
     };
     // After the gather: every CTA copies the other ranks' ranges of the list into its
     // own buffer (one coalesced distributed-shared-memory read a candidate, instead of
@@ -572,7 +576,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     // value: distinct, exact). Ends with no CTA reading another's memory.
     auto rank_select = [&](int gb) {
         const u32 m = s.eq_tot, need = s.need, base = s.emitted;
-        u64* cs = s.cand[gb];
+        u64* cs = cand(gb);
         tk_cluster_sync<C>();                             // every range written
         if (C > 1) {
             for (u32 c = tid; c < m; c += THREADS) {
@@ -609,7 +613,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     const u32 B0 = s.T;
     bool fin = s.fin != 0u;
     bool to_rank = !fin && s.eq_tot <= TK_RANK_MAX;
-    const bool fits = s.eq_local <= TK_CAND;
+    const bool fits = s.eq_local <= CAND;
     // The filter pass: a compare a value marks (tk_marks) the few at or above R0's
     // threshold bin; one loop over the marks (re-reading those values from the cache)
     // then does what R0 decided: emit the values above the bin, and in it take the
@@ -649,7 +653,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             } else if (to_rank) {
                 gather(0, tk_key(x), i);
             } else if (fits) {
-                s.cand[0][atomicAdd(&s.ncand, 1u)] = tk_pack(tk_key(x), i);
+                cand(0)[atomicAdd(&s.ncand, 1u)] = tk_pack(tk_key(x), i);
             }
         }
     }
@@ -694,7 +698,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             }
         } else {
             for (u32 c = tid; c < ncur; c += THREADS) {
-                const u64 v = s.cand[cb][c];
+                const u64 v = cand(cb)[c];
                 f((int)~(u32)v, (u32)(v >> 32));
             }
         }
@@ -746,7 +750,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
         fin = s.fin != 0u;
         to_rank = !fin && s.eq_tot <= TK_RANK_MAX;
         const u32 eq_local = s.eq_local;
-        const bool nfits = eq_local <= TK_CAND;
+        const bool nfits = eq_local <= CAND;
         const int nb = cb ^ 1;
         for_cands([&](int i, u32 key) {
             const u32 d = (key >> shift) & mask;
@@ -758,7 +762,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
                 } else if (to_rank) {
                     gather(nb, key, i);
                 } else if (nfits) {
-                    s.cand[nb][atomicAdd(&s.ncand, 1u)] = tk_pack(key, i);
+                    cand(nb)[atomicAdd(&s.ncand, 1u)] = tk_pack(key, i);
                 }
             }
         });
@@ -783,22 +787,23 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
 // context_lens [B]; mode 2: context_lens [B, next_n] gives each row's end.
 // Unused pointer arguments may be any device array. block_table (decode modes
 // only; NULL otherwise) makes the rows global cache slots (tk_out). Grid:
-// rows * C CTAs, C consecutive CTAs a row (a cluster).
-#define TK_KERNEL(THREADS, VEC, C, MINB, SUFFIX, ATTR)                                    \
-    extern "C" __global__ void ATTR __launch_bounds__(THREADS, MINB)                      \
-    cps_topk_##SUFFIX(const float* __restrict__ logits, long long width,                  \
+// rows * C CTAs, C consecutive CTAs a row (a cluster); dynamic shared memory
+// 2 * CAND * 8 bytes (topk.py's VARIANTS).
+#define TK_KERNEL(THREADS, VEC, C, CAND, MINB, SUFFIX, ATTR)                                \
+    extern "C" __global__ void ATTR __launch_bounds__(THREADS, MINB)                        \
+    cps_topk_##SUFFIX(const float* __restrict__ logits, long long width,                    \
                       const int* __restrict__ row_starts, const int* __restrict__ row_ends, \
-                      const int* __restrict__ context_lens, int next_n, int mode, int k,  \
-                      int* __restrict__ out, const int* __restrict__ block_table,         \
-                      int bt_cols, int bs_shift) {                                        \
-        tk_body<THREADS, VEC, C>(logits, width, row_starts, row_ends, context_lens,       \
-                                 next_n, mode, k, out, block_table, bt_cols, bs_shift);   \
+                      const int* __restrict__ context_lens, int next_n, int mode, int k,    \
+                      int* __restrict__ out, const int* __restrict__ block_table,           \
+                      int bt_cols, int bs_shift) {                                          \
+        tk_body<THREADS, VEC, C, CAND>(logits, width, row_starts, row_ends, context_lens,   \
+                                 next_n, mode, k, out, block_table, bt_cols, bs_shift);     \
     }
 
 // The cluster variants run one CTA an SM (choose_cluster keeps their grid within one
 // wave): their register budget is 128 a thread, where c1 and c1_t256 share an SM.
-TK_KERNEL(512, 4, 1, 2, c1, )
-TK_KERNEL(256, 4, 1, 4, c1_t256, )
-TK_KERNEL(512, 8, 2, 1, c2, __cluster_dims__(2, 1, 1))
-TK_KERNEL(512, 8, 4, 1, c4, __cluster_dims__(4, 1, 1))
-TK_KERNEL(512, 8, 8, 1, c8, __cluster_dims__(8, 1, 1))
+TK_KERNEL(512, 4, 1, 1024, 2, c1, )
+TK_KERNEL(256, 4, 1, 1024, 4, c1_t256, )
+TK_KERNEL(512, 8, 2, 8192, 1, c2, __cluster_dims__(2, 1, 1))
+TK_KERNEL(512, 8, 4, 8192, 1, c4, __cluster_dims__(4, 1, 1))
+TK_KERNEL(512, 8, 8, 8192, 1, c8, __cluster_dims__(8, 1, 1))
