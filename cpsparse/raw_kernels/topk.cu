@@ -703,7 +703,10 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             }
         }
     };
-    {   // the key range of R0's threshold bin (its candidates, none decided yet)
+    // The key range of R0's threshold bin (its candidates, none decided yet); not when R0
+    // already decided the row (fin is alike in every CTA of a cluster: the barriers match).
+    u32 kmin = 0u, kmax = 0u;
+    if (!fin) {
         u32 lo = 0xFFFFFFFFu, hi = 0u;
         for_cands([&](int, u32 key) {
             lo = min(lo, key);
@@ -716,23 +719,24 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             atomicMax(&s.kmax, hi);
         }
         __syncthreads();
-    }
-    u32 kmin = s.kmin, kmax = s.kmax;
-    if (C > 1) {                                  // the range over the cluster
-        tk_cluster_sync<C>();
-        if (warp == 0) {                          // lane r reads rank r's range
-            const u32 lo = lane < C ? tk_load_rank<C>(&s.kmin, (u32)lane) : 0xFFFFFFFFu;
-            const u32 hi = lane < C ? tk_load_rank<C>(&s.kmax, (u32)lane) : 0u;
-            const u32 clo = __reduce_min_sync(0xffffffffu, lo);
-            const u32 chi = __reduce_max_sync(0xffffffffu, hi);
-            if (lane == 0) {                      // other ranks read kmin / kmax: not those
-                s.ckmin = clo;
-                s.ckmax = chi;
+        kmin = s.kmin;
+        kmax = s.kmax;
+        if (C > 1) {                                  // the range over the cluster
+            tk_cluster_sync<C>();
+            if (warp == 0) {                          // lane r reads rank r's range
+                const u32 rlo = lane < C ? tk_load_rank<C>(&s.kmin, (u32)lane) : 0xFFFFFFFFu;
+                const u32 rhi = lane < C ? tk_load_rank<C>(&s.kmax, (u32)lane) : 0u;
+                const u32 clo = __reduce_min_sync(0xffffffffu, rlo);
+                const u32 chi = __reduce_max_sync(0xffffffffu, rhi);
+                if (lane == 0) {                      // other ranks read kmin / kmax: not those
+                    s.ckmin = clo;
+                    s.ckmax = chi;
+                }
             }
+            __syncthreads();
+            kmin = s.ckmin;
+            kmax = s.ckmax;
         }
-        __syncthreads();
-        kmin = s.ckmin;
-        kmax = s.ckmax;
     }
     const u32 kx = kmin ^ kmax;
     lvl_shift = kx ? 32 - __clz(kx) : 0;
