@@ -646,8 +646,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             const int i = v * 4 - head + (b & 3);
             const float x = __ldg(qf + 4 * v + (b & 3));
             if (by_bounds ? x >= x_above : tk_coarse(x, cscale, cbias) > B0) {
-                const u32 p = s.above_base + atomicAdd(&s.cursor, 1u);
-                if (p < (u32)k) orow[p] = tk_out(s, i);
+                emit_above(i);
             } else if (fin) {
                 emit_tie(i);
             } else if (to_rank) {
