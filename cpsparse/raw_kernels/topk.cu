@@ -36,7 +36,7 @@
 //       soon as the kept ones are few, finish as above. The round where the
 //       candidates equal to the threshold are all needed, or the last round
 //       (identical keys), takes exactly the remaining count through a second
-//       cursor. A CTA whose candidates do not fit its buffer (TK_CAND) keeps
+//       cursor. A CTA whose candidates do not fit its buffer (CAND) keeps
 //       none and rescans its global slice with the candidate predicate
 //       (coarse == B0 and the key prefix decided so far): exact, never drops.
 //
@@ -51,13 +51,11 @@
 // Everything stays on the launching stream; no host synchronisation.
 
 #define TK_BINS 2048
-#define TK_CAND 1024
 #define TK_RANK_MAX 512
 #define TK_MAX_CLUSTER 8
 
 struct TkSmem {
     u32 hist[2][TK_BINS];
-    u64 cand[2][TK_CAND];   // (key << 32) | ~position: larger = ranks first
     u32 wtot[32];
     float wmean[32];   // tk_adapt's statistics of the row's first values, a warp each
     float wmax[32];
@@ -357,7 +355,7 @@ __device__ __forceinline__ void tk_find_cluster(TkSmem& s, const u32* h, u32 nee
     if (lane == 0) tk_decide(s, T, tot_n, tot_t - tot_n, ab, eb, el, mode);
 }
 
-template <int THREADS, int VEC, int C>
+template <int THREADS, int VEC, int C, int CAND>
 __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long long width,
                                         const int* __restrict__ row_starts,
                                         const int* __restrict__ row_ends,
@@ -370,6 +368,12 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     static_assert(TK_BINS % THREADS == 0, "bins per thread");
     static_assert(C >= 1 && C <= TK_MAX_CLUSTER, "cluster size");
     __shared__ TkSmem s;
+    // Two candidate buffers of CAND packed (key << 32) | ~position (larger ranks first),
+    // in dynamic shared memory: 2 * CAND * 8 bytes a launch (topk.py). The cluster
+    // variants, one CTA an SM, take 8192 each, so that crowded bins (a low-contrast
+    // row's ~1000-2000 a CTA) stay in shared memory instead of rescanning the slice.
+    extern __shared__ __align__(16) u64 tk_cand[];
+    auto cand = [&](int b) { return tk_cand + b * CAND; };
 
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
@@ -563,7 +567,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     // A candidate goes to its place in the cluster-wide list, in this CTA's buffer gb:
     // [eq_start[rank], eq_start[rank + 1]) is this CTA's range of it.
     auto gather = [&](int gb, u32 key, int i) {
-        s.cand[gb][s.eq_before + atomicAdd(&s.ncand, 1u)] = tk_pack(key, i);
+        cand(gb)[s.eq_before + atomicAdd(&s.ncand, 1u)] = tk_pack(key, i);
     };
     // After the gather: every CTA copies the other ranks' ranges of the list into its
     // own buffer (one coalesced distributed-shared-memory read a candidate, instead of
@@ -572,7 +576,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     // value: distinct, exact). Ends with no CTA reading another's memory.
     auto rank_select = [&](int gb) {
         const u32 m = s.eq_tot, need = s.need, base = s.emitted;
-        u64* cs = s.cand[gb];
+        u64* cs = cand(gb);
         tk_cluster_sync<C>();                             // every range written
         if (C > 1) {
             for (u32 c = tid; c < m; c += THREADS) {
@@ -609,7 +613,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     const u32 B0 = s.T;
     bool fin = s.fin != 0u;
     bool to_rank = !fin && s.eq_tot <= TK_RANK_MAX;
-    const bool fits = s.eq_local <= TK_CAND;
+    const bool fits = s.eq_local <= CAND;
     // The filter pass: a compare a value marks (tk_marks) the few at or above R0's
     // threshold bin; one loop over the marks (re-reading those values from the cache)
     // then does what R0 decided: emit the values above the bin, and in it take the
@@ -642,14 +646,13 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             const int i = v * 4 - head + (b & 3);
             const float x = __ldg(qf + 4 * v + (b & 3));
             if (by_bounds ? x >= x_above : tk_coarse(x, cscale, cbias) > B0) {
-                const u32 p = s.above_base + atomicAdd(&s.cursor, 1u);
-                if (p < (u32)k) orow[p] = tk_out(s, i);
+                emit_above(i);
             } else if (fin) {
                 emit_tie(i);
             } else if (to_rank) {
                 gather(0, tk_key(x), i);
             } else if (fits) {
-                s.cand[0][atomicAdd(&s.ncand, 1u)] = tk_pack(tk_key(x), i);
+                cand(0)[atomicAdd(&s.ncand, 1u)] = tk_pack(tk_key(x), i);
             }
         }
     }
@@ -694,12 +697,15 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             }
         } else {
             for (u32 c = tid; c < ncur; c += THREADS) {
-                const u64 v = s.cand[cb][c];
+                const u64 v = cand(cb)[c];
                 f((int)~(u32)v, (u32)(v >> 32));
             }
         }
     };
-    {   // the key range of R0's threshold bin (its candidates, none decided yet)
+    // The key range of R0's threshold bin (its candidates, none decided yet); not when R0
+    // already decided the row (fin is alike in every CTA of a cluster: the barriers match).
+    u32 kmin = 0u, kmax = 0u;
+    if (!fin) {
         u32 lo = 0xFFFFFFFFu, hi = 0u;
         for_cands([&](int, u32 key) {
             lo = min(lo, key);
@@ -712,23 +718,24 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
             atomicMax(&s.kmax, hi);
         }
         __syncthreads();
-    }
-    u32 kmin = s.kmin, kmax = s.kmax;
-    if (C > 1) {                                  // the range over the cluster
-        tk_cluster_sync<C>();
-        if (warp == 0) {                          // lane r reads rank r's range
-            const u32 lo = lane < C ? tk_load_rank<C>(&s.kmin, (u32)lane) : 0xFFFFFFFFu;
-            const u32 hi = lane < C ? tk_load_rank<C>(&s.kmax, (u32)lane) : 0u;
-            const u32 clo = __reduce_min_sync(0xffffffffu, lo);
-            const u32 chi = __reduce_max_sync(0xffffffffu, hi);
-            if (lane == 0) {                      // other ranks read kmin / kmax: not those
-                s.ckmin = clo;
-                s.ckmax = chi;
+        kmin = s.kmin;
+        kmax = s.kmax;
+        if (C > 1) {                                  // the range over the cluster
+            tk_cluster_sync<C>();
+            if (warp == 0) {                          // lane r reads rank r's range
+                const u32 rlo = lane < C ? tk_load_rank<C>(&s.kmin, (u32)lane) : 0xFFFFFFFFu;
+                const u32 rhi = lane < C ? tk_load_rank<C>(&s.kmax, (u32)lane) : 0u;
+                const u32 clo = __reduce_min_sync(0xffffffffu, rlo);
+                const u32 chi = __reduce_max_sync(0xffffffffu, rhi);
+                if (lane == 0) {                      // other ranks read kmin / kmax: not those
+                    s.ckmin = clo;
+                    s.ckmax = chi;
+                }
             }
+            __syncthreads();
+            kmin = s.ckmin;
+            kmax = s.ckmax;
         }
-        __syncthreads();
-        kmin = s.ckmin;
-        kmax = s.ckmax;
     }
     const u32 kx = kmin ^ kmax;
     lvl_shift = kx ? 32 - __clz(kx) : 0;
@@ -746,7 +753,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
         fin = s.fin != 0u;
         to_rank = !fin && s.eq_tot <= TK_RANK_MAX;
         const u32 eq_local = s.eq_local;
-        const bool nfits = eq_local <= TK_CAND;
+        const bool nfits = eq_local <= CAND;
         const int nb = cb ^ 1;
         for_cands([&](int i, u32 key) {
             const u32 d = (key >> shift) & mask;
@@ -758,7 +765,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
                 } else if (to_rank) {
                     gather(nb, key, i);
                 } else if (nfits) {
-                    s.cand[nb][atomicAdd(&s.ncand, 1u)] = tk_pack(key, i);
+                    cand(nb)[atomicAdd(&s.ncand, 1u)] = tk_pack(key, i);
                 }
             }
         });
@@ -783,22 +790,23 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
 // context_lens [B]; mode 2: context_lens [B, next_n] gives each row's end.
 // Unused pointer arguments may be any device array. block_table (decode modes
 // only; NULL otherwise) makes the rows global cache slots (tk_out). Grid:
-// rows * C CTAs, C consecutive CTAs a row (a cluster).
-#define TK_KERNEL(THREADS, VEC, C, MINB, SUFFIX, ATTR)                                    \
-    extern "C" __global__ void ATTR __launch_bounds__(THREADS, MINB)                      \
-    cps_topk_##SUFFIX(const float* __restrict__ logits, long long width,                  \
+// rows * C CTAs, C consecutive CTAs a row (a cluster); dynamic shared memory
+// 2 * CAND * 8 bytes (topk.py's VARIANTS).
+#define TK_KERNEL(THREADS, VEC, C, CAND, MINB, SUFFIX, ATTR)                                \
+    extern "C" __global__ void ATTR __launch_bounds__(THREADS, MINB)                        \
+    cps_topk_##SUFFIX(const float* __restrict__ logits, long long width,                    \
                       const int* __restrict__ row_starts, const int* __restrict__ row_ends, \
-                      const int* __restrict__ context_lens, int next_n, int mode, int k,  \
-                      int* __restrict__ out, const int* __restrict__ block_table,         \
-                      int bt_cols, int bs_shift) {                                        \
-        tk_body<THREADS, VEC, C>(logits, width, row_starts, row_ends, context_lens,       \
-                                 next_n, mode, k, out, block_table, bt_cols, bs_shift);   \
+                      const int* __restrict__ context_lens, int next_n, int mode, int k,    \
+                      int* __restrict__ out, const int* __restrict__ block_table,           \
+                      int bt_cols, int bs_shift) {                                          \
+        tk_body<THREADS, VEC, C, CAND>(logits, width, row_starts, row_ends, context_lens,   \
+                                 next_n, mode, k, out, block_table, bt_cols, bs_shift);     \
     }
 
 // The cluster variants run one CTA an SM (choose_cluster keeps their grid within one
 // wave): their register budget is 128 a thread, where c1 and c1_t256 share an SM.
-TK_KERNEL(512, 4, 1, 2, c1, )
-TK_KERNEL(256, 4, 1, 4, c1_t256, )
-TK_KERNEL(512, 8, 2, 1, c2, __cluster_dims__(2, 1, 1))
-TK_KERNEL(512, 8, 4, 1, c4, __cluster_dims__(4, 1, 1))
-TK_KERNEL(512, 8, 8, 1, c8, __cluster_dims__(8, 1, 1))
+TK_KERNEL(512, 4, 1, 1024, 2, c1, )
+TK_KERNEL(256, 4, 1, 1024, 4, c1_t256, )
+TK_KERNEL(512, 8, 2, 8192, 1, c2, __cluster_dims__(2, 1, 1))
+TK_KERNEL(512, 8, 4, 8192, 1, c4, __cluster_dims__(4, 1, 1))
+TK_KERNEL(512, 8, 8, 8192, 1, c8, __cluster_dims__(8, 1, 1))

@@ -18,9 +18,11 @@ from cpsparse import raw_kernels
 from cpsparse.paging import INT32_MAX
 from cpsparse.raw_kernels import index_i32
 
-# Compiled configurations (topk.cu's TK_KERNEL lines): name -> (CTAs a row, threads).
-VARIANTS = {"c1": (1, 512), "c1_t256": (1, 256), "c2": (2, 512), "c4": (4, 512),
-            "c8": (8, 512)}
+# Compiled configurations (topk.cu's TK_KERNEL lines): name -> (CTAs a row, threads,
+# candidates a buffer); the launch takes two buffers of 8-byte candidates as dynamic
+# shared memory.
+VARIANTS = {"c1": (1, 512, 1024), "c1_t256": (1, 256, 1024), "c2": (2, 512, 8192),
+            "c4": (4, 512, 8192), "c8": (8, 512, 8192)}
 DEFAULT_VARIANT = {1: "c1", 2: "c2", 4: "c4", 8: "c8"}
 CLUSTERS = tuple(sorted(DEFAULT_VARIANT))
 SHORT_WIDTH = 16384        # rows no wider than this never split
@@ -60,7 +62,8 @@ _PLANS: dict[Any, Any] = {}
 
 
 def _plan(rows, width, cluster, variant):
-    """(kernel, CTAs per row, threads) of a launch shape on the current device, memoized."""
+    """(kernel, CTAs per row, threads, dynamic shared bytes) of a launch shape on the
+    current device, memoized."""
     key = (raw_kernels.current_device(), rows, width, cluster, variant)
     plan = _PLANS.get(key)
     if plan is None:
@@ -72,11 +75,12 @@ def _plan(rows, width, cluster, variant):
             variant = DEFAULT_VARIANT[cluster]
             if cluster == 1 and width <= SHORT_WIDTH:
                 variant = "c1_t256"          # short rows: more, smaller CTAs an SM
-        cluster, threads = VARIANTS[variant]
+        cluster, threads, cand = VARIANTS[variant]
+        smem = 2 * cand * 8
         if len(_PLANS) > 1024:
             _PLANS.clear()
-        plan = _PLANS[key] = (raw_kernels.kernel("topk", f"cps_topk_{variant}", ARGS),
-                              cluster, threads)
+        fn = raw_kernels.kernel("topk", f"cps_topk_{variant}", ARGS, smem=smem)
+        plan = _PLANS[key] = (fn, cluster, threads, smem)
     return plan
 
 
@@ -88,7 +92,7 @@ def _launch(cp, logits, row_starts, row_ends, context_lens, next_n, mode, k, out
     if width > MAX_WIDTH or k > INT32_MAX:
         raise ValueError(f"Invalid shape of logits: the top-k kernel takes rows of at most "
                          f"{MAX_WIDTH} values and k below 2**31, got width={width}, k={k}")
-    fn, cluster, threads = _plan(rows, width, cluster, variant)
+    fn, cluster, threads, smem = _plan(rows, width, cluster, variant)
     if block_table is None:
         table, cols, shift = None, 0, 0
     else:
@@ -96,7 +100,8 @@ def _launch(cp, logits, row_starts, row_ends, context_lens, next_n, mode, k, out
         shift = int(block_size).bit_length() - 1
     fn((rows * cluster,), (threads,),
        (logits, width, index_i32(cp, row_starts), index_i32(cp, row_ends),
-        index_i32(cp, context_lens), next_n, mode, k, out, table, cols, shift))
+        index_i32(cp, context_lens), next_n, mode, k, out, table, cols, shift),
+       shared_mem=smem)
     return out
 
 
