@@ -55,6 +55,11 @@ def workloads():
     for b, sq, h in ((1, 1, 128), (8, 1, 128), (128, 1, 128), (128, 2, 128), (64, 2, 64)):
         out.append(dict(name=f"mla_decode_B{b}_sq{sq}_H{h}", kind="mla_decode",
                         peer="flashmla", B=b, s_q=sq, H=h, ctx=32768))
+    for h in (64, 128):                                   # issue 19: DeepSeek-V4's cache
+        for k in (512, 1024):
+            out.append(dict(name=f"mla_model1_decode_B128_H{h}_topk{k}_w128",
+                            kind="mla_model1_decode", peer="flashmla", B=128, s_q=1, H=h,
+                            topk=k, window=128, ctx=32768))
     for t, h in ((4096, 128), (4096, 64)):
         out.append(dict(name=f"mla_prefill_T{t}_H{h}", kind="mla_prefill", peer="flashmla",
                         T=t, H=h, S=8192))
@@ -221,6 +226,24 @@ def _fill_mla(cp, records, chunk=1 << 19):
         r[:, 512:528] = cp.random.uniform(0.002, 0.02, (n, 4), dtype=cp.float32).view(cp.uint8)
         rope = cp.random.standard_normal((n, 64), dtype=cp.float32) * cp.float32(0.5)
         r[:, 528:] = (rope.view(cp.uint32) >> 16).astype(cp.uint16).view(cp.uint8)
+
+
+def _fill_model1(cp, cache, chunk=2048):
+    """Valid MODEL1 pages: e4m3 codes, ue8m0 scale bytes in [2**-10, 2**-1], zero pad,
+    64 bf16 RoPE values a token."""
+    from cpsparse.reference import cache as cache_ref
+    rows, scales = cache_ref._model1_views(cache.data, cache.block_size)
+    bs = cache.block_size
+    for p0 in range(0, rows.shape[0], chunk):
+        p1 = min(rows.shape[0], p0 + chunk)
+        n = (p1 - p0) * bs
+        rows[p0:p1, :, :448] = _codes(cp, (n, 448)).reshape(p1 - p0, bs, 448)
+        rope = cp.random.standard_normal((n, 64), dtype=cp.float32) * cp.float32(0.5)
+        rows[p0:p1, :, 448:] = (rope.view(cp.uint32) >> 16).astype(cp.uint16).view(
+            cp.uint8).reshape(p1 - p0, bs, 128)
+        scales[p0:p1, :, :7] = cp.random.randint(117, 127, (p1 - p0, bs, 7),
+                                                 dtype=cp.int32).astype(cp.uint8)
+        scales[p0:p1, :, 7] = 0
 
 
 def _positions(cp, rows, width, k):
@@ -481,6 +504,57 @@ def run_mla_decode(s, w):
     return [make_row(w["name"], w["peer"], shapes, flops=2.0 * t * h * K * (D_QK + D_V), **got)]
 
 
+def _model1_view(s, cache):
+    """FlashMLA's [num_blocks, block_size, 1, 584] float8 view of a MODEL1 cache's pages."""
+    torch, nb, bs = s.torch, cache.num_blocks, cache.block_size
+    pages = torch.from_dlpack(cache.data).view(torch.float8_e4m3fn)
+    return pages.as_strided((nb, bs, 1, 584), (pages.stride(0), 584, 584, 1))
+
+
+def run_mla_model1_decode(s, w):
+    """DeepSeek-V4 decode: a MODEL1 cache of 32K-token requests (top-k slots) and a
+    128-token sliding-window cache (its own slots), one softmax over both; the same
+    pages and slots for FlashMLA (extra_k_cache / extra_indices_in_kvcache)."""
+    cp, cps, torch = s.cp, s.cps, s.torch
+    b, h, k, win, ctx = w["B"], w["H"], w["topk"], w["window"], w["ctx"]
+    pages = ctx // BS
+    cache = cps.MLAKVCache(b * pages, BS, layout="model1", xp=cp)
+    window = cps.MLAKVCache(b * win // BS, BS, layout="model1", xp=cp)
+    _fill_model1(cp, cache)
+    _fill_model1(cp, window)
+    table = cp.random.permutation(b * pages).astype(cp.int32).reshape(b, pages)
+    req = cp.arange(b, dtype=cp.int32)
+    # the window of request r: its 128 latest tokens, slots 128 r .. 128 r + 127
+    w_slots = (win * req[:, None] + cp.arange(win, dtype=cp.int32)[None, :]).astype(cp.int32)
+    sets = [(_bf16_f16(cp, (b, h, 512)),
+             cps.local_to_global_slots(_positions(cp, b, ctx, k), req, table, BS))
+            for _ in range(2)]
+    scale = 512 ** -0.5
+
+    def call(q, sl):
+        return cps.sparse_mla_attention(q, cache, sl, scale, extra_kv_cache=window,
+                                        extra_indices=w_slots)
+
+    def make_peer(fm):
+        tk, tw = _model1_view(s, cache), _model1_view(s, window)
+        tws = torch.from_dlpack(w_slots).view(b, 1, win)
+        tsets = [(torch.from_dlpack(q).to(torch.bfloat16).view(b, 1, h, 512),
+                  torch.from_dlpack(sl).view(b, 1, k)) for q, sl in sets]
+        meta = fm.get_mla_metadata()[0]
+
+        def pcall(q, sl):
+            return fm.flash_mla_with_kvcache(q, tk, None, None, D_V, meta, None,
+                                             softmax_scale=scale, causal=False,
+                                             is_fp8_kvcache=True, indices=sl,
+                                             extra_k_cache=tw, extra_indices_in_kvcache=tws)
+        return pcall, tsets, _flashmla_compare(s, True)
+    got = _side_by_side(s, call, sets, 10, [b * h * D_V * 4, b * h * 4], ["flash_mla"],
+                        make_peer)
+    shapes = dict(B=b, s_q=1, H=h, topk=k, window=win, ctx=ctx, cache="model1")
+    return [make_row(w["name"], w["peer"], shapes, flops=2.0 * b * h * (k + win) * (512 + D_V),
+                     **got)]
+
+
 def run_mla_prefill(s, w):
     cp, cps, torch = s.cp, s.cps, s.torch
     t, h, rows = w["T"], w["H"], w["S"]
@@ -682,10 +756,12 @@ def run_decode_step(s, w):
                      ours_g, theirs, theirs_g, **got)]
 
 
-RUNNERS = {"mla_decode": run_mla_decode, "mla_prefill": run_mla_prefill,
+RUNNERS = {"mla_decode": run_mla_decode, "mla_model1_decode": run_mla_model1_decode,
+           "mla_prefill": run_mla_prefill,
            "indexer_prefill": run_indexer_prefill, "indexer_decode": run_indexer_decode,
            "topk": run_topk, "decode_step": run_decode_step}
-KERNEL_MODULES = {"mla_decode": ["attention"], "mla_prefill": ["attention"],
+KERNEL_MODULES = {"mla_decode": ["attention"], "mla_model1_decode": ["attention"],
+                  "mla_prefill": ["attention"],
                   "indexer_prefill": ["indexer"], "indexer_decode": ["indexer"],
                   "topk": ["topk"], "decode_step": ["indexer", "topk", "attention"]}
 

@@ -34,7 +34,7 @@ from benchmarks import harness
 
 # (variant, [(text in attention.cu, replacement)]); tests/test_profile_attention.py checks
 # every text still occurs exactly once, so the tool cannot silently time the base kernel.
-_QK = ("    for (int ks = 0; ks < 36; ++ks) {", "    for (int ks = 0; ks < 0; ++ks) {")
+_QK = ("    for (int ks = 0; ks < KSTEPS; ++ks) {", "    for (int ks = 0; ks < 0; ++ks) {")
 _PV = ("    for (int ks = 0; ks < 4; ++ks) {\n        att_wgmma_m64n256_kmn",
        "    for (int ks = 0; ks < 0; ++ks) {\n        att_wgmma_m64n256_kmn")
 _DQ = "__device__ __forceinline__ void att_dequant4(u32 w, float scale, u32& out01, u32& out23) {"
@@ -70,7 +70,14 @@ TRACE = [
      "        att_load_pass(b, kv, slot, 8, lane);\n"
      "        if (t - t_first >= 2) att_bar_sync(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);\n"
      "        if (p == 0) att_trace_at(1, t - t_first);\n"),
-    ("        att_bar_arrive(ATT_BAR_FULL + buf, ATT_WS_THREADS);\n",
+    # (the fp8 producer's arrive: the MODEL1 producer's stores its passes otherwise)
+    ("        att_store_pass(b, sk, row0 + 8, lane);\n"
+     "        cps_cp_async_wait_all();\n"
+     "        cps_fence_proxy_async();                  // stores -> the async proxy (wgmma)\n"
+     "        att_bar_arrive(ATT_BAR_FULL + buf, ATT_WS_THREADS);\n",
+     "        att_store_pass(b, sk, row0 + 8, lane);\n"
+     "        cps_cp_async_wait_all();\n"
+     "        cps_fence_proxy_async();                  // stores -> the async proxy (wgmma)\n"
      "        if (p == 0) att_trace_at(2, t - t_first);\n"
      "        att_bar_arrive(ATT_BAR_FULL + buf, ATT_WS_THREADS);\n"),
     ("        att_bar_sync(ATT_BAR_FULL + buf, ATT_WS_THREADS);\n",

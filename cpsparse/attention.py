@@ -16,7 +16,7 @@ import numpy
 from cpsparse import _backend
 from cpsparse import _validation as V
 from cpsparse import paging
-from cpsparse.cache import MLAKVCache
+from cpsparse.cache import MLAKVCache, Model1KVCache
 from cpsparse.raw_kernels import attention as _katt
 from cpsparse.reference import attention as _ref
 from cpsparse.reference import cache as _cache_ref
@@ -105,6 +105,11 @@ def _rows_of(source):
     return source, None
 
 
+def _num_slots(source):
+    """Slots an index may name in a cache or a dense workspace."""
+    return source.num_slots if isinstance(source, MLAKVCache) else source.shape[0]
+
+
 def _check_q(q):
     V.check_array("q", q, ndim=3, dtype=V.FLOAT_DTYPES, shape_desc="[T, H, D]")
     return q.shape
@@ -140,8 +145,9 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
     kv_cache : MLAKVCache, uint8 [num_blocks, block_size, token_bytes] or float [S, D]
         The paged fp8_ds_mla cache (dequantized on the fly; FlashMLA's
         ``[num_blocks, block_size, 1, 656]`` view is accepted), DeepSeek-V4's
-        MODEL1 cache (an ``MLAKVCache`` of ``layout="model1"``, D = 512; the
-        NumPy reference reads it, CuPy inputs fall back to it with a warning),
+        MODEL1 cache (an ``MLAKVCache`` of ``layout="model1"``, D = 512; on CuPy
+        one kernel runs it with all the extras below, when every key source is a
+        MODEL1 cache),
         or a dense latent workspace (e.g. bf16 rows gathered for prefill).
     indices : int32 or int64 [T, topk] or [T, 1, topk]
         Global slots (``page * block_size + offset``); -1 is masked. A slot
@@ -237,26 +243,24 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
             indices = indices.reshape(indices.shape[0], indices.shape[2])
         source = kv_cache if wrapped is not None or lora is None else MLAKVCache.trusted_view(
             data, lora, q.shape[2] - lora, xp)
-    rows, decode = _rows_of(source)
-    V.check_slots(xp, indices, rows.shape[0], name="indices")
-    return sparse_mla_attention_core(xp, q, rows, decode, indices, sm_scale, d_v)
+    V.check_slots(xp, indices, _num_slots(source), name="indices")
+    return sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v)
 
 
 _SPARSE_CALLS = V.CallMemo("sparse_mla_attention")
 
 
 def _check_sparse_source(xp, q, kv_cache, indices, d_v, names):
-    """(key rows, their decoder or None, [T, topk] indices, d_v) of one key source,
-    checked (``names``: the argument names of the cache and its indices)."""
+    """(key source, [T, topk] indices, d_v) of one key source, checked (``names``: the
+    argument names of the cache and its indices)."""
     tokens, _, dqk = q.shape
     source, d_v = _kv_source(kv_cache, dqk, d_v)
     d_v = _check_d_v(d_v, dqk)
     indices = V.squeeze_axis(names[1], indices, 1, 3)        # FlashMLA's [T, 1, topk]
     V.check_index(names[1], indices, ndim=2, shape=(tokens, None),
                   shape_desc="[T, topk] or [T, 1, topk]")
-    rows, decode = _rows_of(source)
-    V.check_slots(xp, indices, rows.shape[0], name=names[1])
-    return rows, decode, indices, d_v
+    V.check_slots(xp, indices, _num_slots(source), name=names[1])
+    return source, indices, d_v
 
 
 def _first(xp, indices, lengths):
@@ -294,21 +298,27 @@ def _sparse_with_extras(q, kv_cache, indices, sm_scale, d_v, attn_sink, topk_len
         extra_kv_cache=extra_kv_cache.data if isinstance(extra_kv_cache, MLAKVCache)
         else extra_kv_cache)
     tokens, heads, dqk = _check_q(q)
-    rows, decode, indices, d_v = _check_sparse_source(xp, q, kv_cache, indices, d_v,
-                                                      ("kv_cache", "indices"))
+    source, indices, d_v = _check_sparse_source(xp, q, kv_cache, indices, d_v,
+                                                ("kv_cache", "indices"))
     sm_scale = _check_scale(sm_scale)
     _check_lengths(xp, "topk_length", topk_length, tokens)
     if attn_sink is not None:
         V.check_array("attn_sink", attn_sink, dtype="float32", shape=(heads,),
                       shape_desc="[H]")
-    parts = [(rows, decode, _first(xp, indices, topk_length))]
+    parts = [(source, indices, topk_length)]
     if extra_kv_cache is not None:
-        e_rows, e_decode, e_indices, _ = _check_sparse_source(
+        e_source, e_indices, _ = _check_sparse_source(
             xp, q, extra_kv_cache, extra_indices, d_v, ("extra_kv_cache", "extra_indices"))
         _check_lengths(xp, "extra_topk_length", extra_topk_length, tokens)
-        parts.append((e_rows, e_decode, _first(xp, e_indices, extra_topk_length)))
-    results = [sparse_mla_attention_core(xp, q, r, dec, idx, sm_scale, d_v)
-               for r, dec, idx in parts]
+        parts.append((e_source, e_indices, extra_topk_length))
+    if _backend.use_kernels(xp) and _katt.supports_model1(q.shape, d_v) and all(
+            isinstance(src, Model1KVCache) for src, _, _ in parts):
+        # MODEL1 caches: lengths, the extra cache and the sink in one kernel.
+        return _katt.sparse_mla_attention_model1(
+            xp, q, [(src.data, src.block_size, idx, n) for src, idx, n in parts], sm_scale,
+            d_v, attn_sink)
+    results = [sparse_mla_attention_core(xp, q, src, _first(xp, idx, n), sm_scale, d_v)
+               for src, idx, n in parts]
     if len(results) == 1:
         out, lse = results[0]
     else:
@@ -325,13 +335,18 @@ def _sparse_with_extras(q, kv_cache, indices, sm_scale, d_v, attn_sink, topk_len
     return out.astype(xp.float32), lse.astype(xp.float32)
 
 
-def sparse_mla_attention_core(xp, q, rows, decode, indices, sm_scale, d_v):
-    """:func:`sparse_mla_attention` on validated arguments: ``rows`` are the key rows
-    (fp8_ds_mla records when ``decode`` is their decoder, else a dense workspace)."""
+def sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v):
+    """:func:`sparse_mla_attention` on validated arguments: ``source`` is an
+    :class:`MLAKVCache` (fp8_ds_mla or MODEL1) or a dense workspace [S, D]."""
+    rows, decode = _rows_of(source)
     if _backend.use_kernels(xp):
-        fp8 = decode is not None
-        if _katt.supports(q.shape, d_v) and _katt.supports_rows(rows, fp8):
-            return _katt.sparse_mla_attention(xp, q, rows, indices, sm_scale, d_v, fp8)
+        if isinstance(source, Model1KVCache):
+            if _katt.supports_model1(q.shape, d_v):
+                return _katt.sparse_mla_attention_model1(
+                    xp, q, [(source.data, source.block_size, indices, None)], sm_scale, d_v)
+        elif _katt.supports(q.shape, d_v) and _katt.supports_rows(rows, decode is not None):
+            return _katt.sparse_mla_attention(xp, q, rows, indices, sm_scale, d_v,
+                                              decode is not None)
         _backend.warn_fallback("sparse_mla_attention", tuple(q.shape) + (d_v,),
                                "this head dim / d_v / record size")
     return _ref.sparse_mla_attention(q, rows, indices, sm_scale, d_v, decode)

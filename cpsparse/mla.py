@@ -856,9 +856,8 @@ class DeepseekV32MLA:
         local = dcp_local_indices(rows, view.rank, view.world, interleave=view.interleave)
         slots = local_to_global_slots_core(xp, local, view.req_ids, view.block_table,
                                            c.block_size)
-        cache = self.mla_cache
-        out, lse = sparse_mla_attention_core(xp, q_full, cache.records(), cache.decode_records,
-                                             slots, c.sm_scale, c.kv_lora_rank)
+        out, lse = sparse_mla_attention_core(xp, q_full, self.mla_cache, slots, c.sm_scale,
+                                             c.kv_lora_rank)
         out, _ = dcp_merge_attention(self.dcp_group, out, lse)
         return self._output(out)
 
@@ -923,9 +922,8 @@ class DeepseekV32MLA:
             self.attention_stats.sparse_tokens += q.shape[0]
         slots = local_to_global_slots_core(xp, rows, batch.req_ids[tokens],
                                            batch.block_table, c.block_size)
-        cache = self.mla_cache
-        out, _ = sparse_mla_attention_core(xp, q, cache.records(), cache.decode_records, slots,
-                                           c.sm_scale, c.kv_lora_rank)
+        out, _ = sparse_mla_attention_core(xp, q, self.mla_cache, slots, c.sm_scale,
+                                           c.kv_lora_rank)
         return out
 
     def _dense(self, q, batch, first_request):

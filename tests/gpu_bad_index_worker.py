@@ -118,6 +118,55 @@ class AttentionBf16(AttentionFp8):
         return R.attention.sparse_mla_attention(self.q, self.kv, idx, SCALE, 512)
 
 
+class AttentionModel1(AttentionFp8):
+    """MODEL1 with FlashMLA's extras in the kernel (lengths, a window cache, a sink): the
+    bad value in the main list must read as -1, so the NumPy op on the list with those
+    entries set to -1 is the answer."""
+
+    def __init__(self, cp, rng):
+        Case.__init__(self, cp, rng)
+        self.cache = cpsparse.MLAKVCache(8, BLOCK, layout="model1")
+        self.window = cpsparse.MLAKVCache(2, 32, layout="model1")
+        self.num = self.cache.num_slots
+        slots = rng.choice(self.num, 200, replace=False).astype(np.int32)
+        self.cache.insert(rng.standard_normal((200, 448)).astype(np.float32),
+                          rng.standard_normal((200, 64)).astype(np.float32), slots)
+        self.window.insert(rng.standard_normal((64, 448)).astype(np.float32),
+                           rng.standard_normal((64, 64)).astype(np.float32),
+                           np.arange(64, dtype=np.int32))
+        rows, scales = R.cache._model1_views(self.cache.data, BLOCK)
+        unused = np.ones(self.num, bool)
+        unused[slots] = False
+        rows[unused.reshape(8, BLOCK)] = 0xFF              # NaN codes and RoPE
+        scales[unused.reshape(8, BLOCK)] = 0xFF            # and scales of 2**128
+        self.idx = np.where(rng.random((6, 96)) < 0.2, -1, rng.choice(slots, (6, 96)))
+        self.e_idx = rng.integers(-1, 64, (6, 40))
+        self.lens = np.array([96, 50, 0, 96, 7, 200], np.int32)
+        self.sink = rng.standard_normal(16).astype(np.float32)
+        self.q = (0.1 * rng.standard_normal((6, 16, 512))).astype(np.float32)
+        self.kv_dev = cpsparse.MLAKVCache.wrap(cp.asarray(self.cache.data), layout="model1")
+        self.window_dev = cpsparse.MLAKVCache.wrap(cp.asarray(self.window.data),
+                                                   layout="model1", block_size=32)
+
+    def prepare(self):
+        cp = self.cp
+        self.q_dev = cp.asarray(self.q)
+        self.extras_dev = dict(extra_kv_cache=self.window_dev,
+                               extra_indices=cp.asarray(self.e_idx),
+                               topk_length=cp.asarray(self.lens),
+                               attn_sink=cp.asarray(self.sink))
+
+    def run(self, idx_dev):
+        return cpsparse.sparse_mla_attention(self.q_dev, self.kv_dev, idx_dev, SCALE,
+                                             **self.extras_dev)
+
+    def want(self, idx):
+        masked = np.where((idx >= 0) & (idx < self.num), idx, -1)
+        return cpsparse.sparse_mla_attention(
+            self.q, self.cache, masked, SCALE, extra_kv_cache=self.window,
+            extra_indices=self.e_idx, topk_length=self.lens, attn_sink=self.sink)
+
+
 class IndexerInsert(Case):
     def __init__(self, cp, rng):
         super().__init__(cp, rng)
@@ -341,6 +390,7 @@ class SlotMapping(Case):
 
 
 CASES = {"attention_fp8": AttentionFp8, "attention_bf16": AttentionBf16,
+         "attention_model1": AttentionModel1,
          "indexer_insert": IndexerInsert, "mla_insert": MLAInsert,
          "indexer_gather": IndexerGather, "paged_mqa_logits": PagedLogits,
          "mqa_logits": PrefillLogits, "topk_per_row": TopkRows,

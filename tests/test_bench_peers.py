@@ -13,6 +13,10 @@ DESIGN_NAMES = (
     [f"mla_decode_B{b}_sq1_H128" for b in (1, 8, 128)]
     + ["mla_decode_B128_sq2_H128", "mla_decode_B64_sq2_H64",
        "mla_prefill_T4096_H128", "mla_prefill_T4096_H64",
+       # issue 19: DeepSeek-V4's MODEL1 cache with a 128-token window
+       "mla_model1_decode_B128_H64_topk512_w128", "mla_model1_decode_B128_H64_topk1024_w128",
+       "mla_model1_decode_B128_H128_topk512_w128",
+       "mla_model1_decode_B128_H128_topk1024_w128",
        "indexer_prefill_T8192_S8192", "indexer_prefill_T2048_S65536",
        "indexer_prefill_T4096_S4096", "indexer_decode_B64_ctx32768_n1",
        "indexer_decode_B64_ctx32768_n2", "indexer_decode_B256_ctx4096_n1",
@@ -37,7 +41,7 @@ def _t(ms):
 
 def test_row_names_are_design_section_12():
     assert sorted(bp.row_names()) == sorted(DESIGN_NAMES)
-    assert len(set(bp.row_names())) == len(DESIGN_NAMES) == 46
+    assert len(set(bp.row_names())) == len(DESIGN_NAMES) == 50
     for w in bp.workloads():
         assert w["peer"] == PEERS[w["name"].split("_")[0]], w
         assert w["kind"] in bp.RUNNERS and w["kind"] in bp.KERNEL_MODULES
@@ -45,7 +49,7 @@ def test_row_names_are_design_section_12():
 
 def test_only_selects_by_prefix():
     names = lambda prefixes: [w["name"] for w in bp.select(prefixes)]  # noqa: E731
-    assert len(names(None)) == 42
+    assert len(names(None)) == 46
     assert names(["mla_decode"]) == DESIGN_NAMES[:5]
     assert names(["indexer_decode_B64_ctx32768_n2"]) == ["indexer_decode_B64_ctx32768_n2",
                                                          "indexer_decode_B64_ctx32768_n2_mxfp4"]

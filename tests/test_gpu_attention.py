@@ -363,10 +363,11 @@ def test_extras_match_reference(cp, katt, heads):
                                                   extra_indices=cp.asarray(e_idx), **dkw), exp)
 
 
-def test_model1_cache_on_cupy_matches_numpy(cp):
+def test_model1_cache_on_cupy_matches_numpy(cp, katt):
     """The MODEL1 layout on CuPy (array-generic code): the same bytes as on NumPy,
-    FlashMLA's strided view wrapped, and V4-style attention (the reference on the
-    GPU, with a fallback warning: no MODEL1 kernel yet) matching the NumPy result."""
+    FlashMLA's strided view wrapped, and V4-style attention over that view by the
+    MODEL1 kernel (no fallback warning) matching the NumPy reference."""
+    import warnings
     rng = np.random.default_rng(5)
     bs, nb = 64, 6
     k_nope = rng.standard_normal((nb * bs, 448)).astype(np.float32)
@@ -380,12 +381,133 @@ def test_model1_cache_on_cupy_matches_numpy(cp):
                                    layout="model1", block_size=bs)
     dev.insert(cp.asarray(k_nope), cp.asarray(k_pe), cp.asarray(slots))
     assert np.array_equal(padded.get(), host.data)
-    q = (rng.standard_normal((3, 16, 512)) * 0.05).astype(np.float32)
+    q = bf16_round(rng.standard_normal((3, 16, 512)) * 0.05)
     idx = rng.integers(-1, nb * bs, (3, 512)).astype(np.int32)
     sink = rng.standard_normal(16).astype(np.float32)
     exp = sparse_mla_attention(q, host, idx, 0.044, attn_sink=sink)
-    with pytest.warns(UserWarning):
-        got = sparse_mla_attention(cp.asarray(q), dev, cp.asarray(idx), 0.044,
-                                   attn_sink=cp.asarray(sink))
-    np.testing.assert_allclose(got[0].get(), exp[0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got[1].get(), exp[1], rtol=1e-6)
+    assert katt.supports_model1(q.shape, 512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                 # a fallback would warn
+        check_kernel(cp, lambda: sparse_mla_attention(cp.asarray(q), dev, cp.asarray(idx),
+                                                      0.044, attn_sink=cp.asarray(sink)), exp)
+
+
+# ---- the MODEL1 kernel (DeepSeek-V4) ----------------------------------------------
+def model1_caches(cp, rng, num_blocks, block_size=BLOCK, std=1.0):
+    """(host, device) MODEL1 caches with every slot filled through the quantizer. Its
+    values (e4m3 code * power-of-two scale, bf16 RoPE) are exact bf16 numbers, so the
+    rows the tensor cores see are the reference's."""
+    host = cpsparse.MLAKVCache(num_blocks, block_size, layout="model1")
+    n = host.num_slots
+    host.insert((rng.standard_normal((n, 448)) * std).astype(np.float32),
+                (rng.standard_normal((n, 64)) * std).astype(np.float32),
+                np.arange(n, dtype=np.int32))
+    dev = cpsparse.MLAKVCache.wrap(cp.asarray(host.data), layout="model1",
+                                   block_size=block_size)
+    return host, dev
+
+
+def model1_q(rng, shape):
+    return bf16_round(rng.standard_normal(shape).astype(np.float32) * 0.1)
+
+
+M1_SCALE = 512 ** -0.5
+
+
+@pytest.mark.parametrize("heads,topk,tokens", [(64, 512, 5), (128, 1024, 5), (128, 512, 70),
+                                               (16, 2048, 3), (96, 100, 5), (32, 1024, 2)])
+def test_model1_kernel_matches_reference(cp, katt, heads, topk, tokens):
+    """Ragged rows (repeats, -1 holes, empty rows, one valid key), split-KV (few
+    tokens) and one pass (70 x 128 heads), partial head groups, topk not a multiple
+    of 64."""
+    rng = np.random.default_rng(heads + topk + tokens)
+    host, dev = model1_caches(cp, rng, 40)
+    q = model1_q(rng, (tokens, heads, 512))
+    idx = ragged_indices(rng, tokens, topk, host.num_slots)
+    exp = sparse_mla_attention(q, host, idx, M1_SCALE)
+    assert katt.supports_model1(q.shape, 512)
+    q_d, idx_d = cp.asarray(q), cp.asarray(idx)
+    check_kernel(cp, lambda: sparse_mla_attention(q_d, dev, idx_d, M1_SCALE), exp)
+    exp = sparse_mla_attention(q, host, idx, M1_SCALE, d_v=256)
+    check_kernel(cp, lambda: sparse_mla_attention(q_d, dev, idx_d, M1_SCALE, d_v=256), exp)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_model1_split_kv_within_flashmla_tolerance(cp, katt, splits):
+    """Forced split counts give the one-pass answer within FlashMLA's tolerances
+    (main + window lists: a split may hold tiles of both caches)."""
+    rng = np.random.default_rng(40 + splits)
+    host, dev = model1_caches(cp, rng, 40, std=0.1)
+    host_w, dev_w = model1_caches(cp, rng, 4, block_size=32, std=0.1)
+    tokens, heads = 4, 128
+    q = flashmla_like_q(rng, (tokens, heads, 512))
+    idx = rng.integers(0, host.num_slots, (tokens, 512)).astype(np.int32)
+    e_idx = rng.integers(0, host_w.num_slots, (tokens, 128)).astype(np.int32)
+    exp = sparse_mla_attention(q, host, idx, M1_SCALE, extra_kv_cache=host_w,
+                               extra_indices=e_idx)
+    poison_pool(cp)
+    got = katt.sparse_mla_attention_model1(
+        cp, cp.asarray(q), [(dev.data, 64, cp.asarray(idx), None),
+                            (dev_w.data, 32, cp.asarray(e_idx), None)], M1_SCALE, 512,
+        splits=splits)
+    assert_flashmla_close(got, exp, f"splits={splits}")
+
+
+@pytest.mark.parametrize("tokens,heads", [(6, 64), (6, 128), (80, 128)])
+def test_model1_extras_fused_match_reference(cp, katt, tokens, heads):
+    """attn_sink (+inf, -inf, finite), topk_length (0, partial, past topk) and a window
+    cache of another block size with its own indices and lengths, in one kernel (split
+    and one-pass shapes) against the reference's composition."""
+    rng = np.random.default_rng(tokens * heads)
+    host, dev = model1_caches(cp, rng, 40)
+    host_w, dev_w = model1_caches(cp, rng, 5, block_size=32)
+    topk, window = 1024, 128
+    q = model1_q(rng, (tokens, heads, 512))
+    idx = ragged_indices(rng, tokens, topk, host.num_slots)
+    e_idx = ragged_indices(rng, tokens, window, host_w.num_slots)
+    lens = rng.integers(0, topk + 50, tokens).astype(np.int32)
+    lens[:3] = (0, topk + 9, 100)
+    e_lens = rng.integers(0, window + 1, tokens).astype(np.int64)       # int64 too
+    e_lens[:3] = (5, 0, window)
+    sink = rng.standard_normal(heads).astype(np.float32)
+    sink[0], sink[1] = np.inf, -np.inf
+    kw = dict(attn_sink=sink, topk_length=lens, extra_topk_length=e_lens)
+    exp = sparse_mla_attention(q, host, idx, M1_SCALE, extra_kv_cache=host_w,
+                               extra_indices=e_idx, **kw)
+    assert (exp[0][:, 0] == 0).all()                           # the +inf sink
+    dkw = {k: cp.asarray(v) for k, v in kw.items()}
+    q_d = cp.asarray(q)
+    check_kernel(cp, lambda: sparse_mla_attention(q_d, dev, cp.asarray(idx), M1_SCALE,
+                                                  extra_kv_cache=dev_w,
+                                                  extra_indices=cp.asarray(e_idx), **dkw), exp)
+    # without the window: the main list with its lengths and the sink only
+    exp = sparse_mla_attention(q, host, idx, M1_SCALE, attn_sink=sink, topk_length=lens)
+    check_kernel(cp, lambda: sparse_mla_attention(q_d, dev, cp.asarray(idx), M1_SCALE,
+                                                  attn_sink=dkw["attn_sink"],
+                                                  topk_length=dkw["topk_length"]), exp)
+
+
+def test_model1_masked_slots_are_never_read(cp, katt):
+    """NaN bytes in every slot no valid entry names (and past each list's length) never
+    reach out or lse; a NaN query head gives NaN in that head only."""
+    rng = np.random.default_rng(77)
+    host, _ = model1_caches(cp, rng, 8)
+    idx = rng.integers(0, host.num_slots, (3, 256)).astype(np.int32)
+    lens = np.array([256, 100, 0], np.int32)
+    used = np.zeros(host.num_slots, bool)
+    for t in range(3):
+        used[idx[t, :lens[t]]] = True
+    rows, scales = cache_ref._model1_views(host.data, BLOCK)
+    rows[~used.reshape(8, BLOCK)] = 0xFF
+    scales[~used.reshape(8, BLOCK)] = 0xFF
+    dev = cpsparse.MLAKVCache.wrap(cp.asarray(host.data), layout="model1")
+    q = model1_q(rng, (3, 64, 512))
+    exp = sparse_mla_attention(q, host, idx, M1_SCALE, topk_length=lens)
+    assert np.isfinite(exp[0]).all()
+    check_kernel(cp, lambda: sparse_mla_attention(cp.asarray(q), dev, cp.asarray(idx),
+                                                  M1_SCALE, topk_length=cp.asarray(lens)), exp)
+    q[1, 5, 3] = np.nan
+    out, lse = (a.get() for a in sparse_mla_attention(
+        cp.asarray(q), dev, cp.asarray(idx), M1_SCALE, topk_length=cp.asarray(lens)))
+    assert np.isnan(out[1, 5]).all() and np.isnan(lse[1, 5])
+    assert np.isfinite(out[1, :5]).all() and np.isfinite(out[0]).all()

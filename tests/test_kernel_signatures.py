@@ -23,6 +23,7 @@ DECLARED = [
     ("attention.cu", "cps_f16_to_bf16", attention.TO_BF16_ARGS),
     ("attention.cu", "cps_local_to_global_slots", attention.SLOTS_ARGS),
     ("attention.cu", "cps_mla_combine", attention.COMBINE_ARGS),
+    ("attention.cu", "cps_sparse_mla_model1", attention.MODEL1_ARGS),
     ("indexer.cu", "cps_mqa_logits_wgmma", indexer.MQA_ARGS),
     ("indexer.cu", "cps_mqa_logits_mma", indexer.MQA_ARGS),
     ("indexer.cu", "CPS_PAGED_KERNEL", indexer.PAGED_ARGS),

@@ -74,9 +74,9 @@ class Spy:
             self.slots_calls.append(np.array(indices))
             return real_l2g(xp, indices, *a, **k)
 
-        def sparse(xp, q, rows, decode, indices, *a, **k):
+        def sparse(xp, q, source, indices, *a, **k):
             self.sparse_calls.append(np.array(indices))
-            return real_sparse(xp, q, rows, decode, indices, *a, **k)
+            return real_sparse(xp, q, source, indices, *a, **k)
 
         monkeypatch.setattr(mla_mod, "local_to_global_slots_core", l2g)
         monkeypatch.setattr(mla_mod, "sparse_mla_attention_core", sparse)

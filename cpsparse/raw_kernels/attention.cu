@@ -302,8 +302,12 @@ __device__ __forceinline__ void att_load_pass(AttPass& r, const u8* __restrict__
 }
 
 // Registers -> bf16 rows row0..row0+7 of the tile at sk: chunk l lies in 64-dim block
-// l / 4, 16-byte chunks 2 (l % 4) and 2 (l % 4) + 1 of the swizzled row.
+// l / 4, 16-byte chunks 2 (l % 4) and 2 (l % 4) + 1 of the swizzled row. Lanes from
+// LANES on hold no codes and store nothing (MODEL1: 28 chunks of 448 codes; the block
+// lane 28 would write is the RoPE block).
+template <int LANES = 32>
 __device__ __forceinline__ void att_store_pass(const AttPass& r, u32 sk, int row0, int lane) {
+    if (LANES < 32 && lane >= LANES) return;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
         const int row = row0 + k, sw = row & 7;
@@ -380,14 +384,16 @@ __device__ __forceinline__ void att_produce_fp8(const u8* __restrict__ kv,
     }
 }
 
-// Issue S[64 heads x 32 keys of warpgroup wg] = Q K^T as 36 wgmma m64n32k16 (async).
+// Issue S[64 heads x 32 keys of warpgroup wg] = Q K^T as KSTEPS wgmma m64n32k16 (async):
+// 36 over the 576 dims of fp8_ds_mla / the dense rows, 32 over MODEL1's 512.
+template <int KSTEPS>
 __device__ __forceinline__ void att_qk_wgmma(float (&s)[16], u32 sq, u32 sk, int wg) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = 0.f;
     cps_fence_regs(s);
     cps_wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 36; ++ks) {
+    for (int ks = 0; ks < KSTEPS; ++ks) {
         const u32 off = (ks >> 2) * ATT_BLK + (ks & 3) * 32;
         att_wgmma_m64n32_kk(s, cps_wgmma_desc(sq + off, 16, 1024),
                             cps_wgmma_desc(sk + wg * 4096 + off, 16, 1024), 1);
@@ -431,16 +437,18 @@ __device__ __forceinline__ AttShare att_share(const int* __restrict__ indices, i
     return w;
 }
 
-// Q rows of this CTA -> bf16 shared [64 x 576] (rows past nh zero), by the 256 math
+// Q rows of this CTA -> bf16 shared [64 x D] (rows past nh zero), by the 256 math
 // threads; the caller fences and syncs them before the first QK^T.
+template <int D>
 __device__ __forceinline__ void att_load_q(const void* __restrict__ q, int q_half,
                                            const AttShare& w, int H, u32 sq, int tid) {
+    constexpr int CHUNKS = D / 8;                  // 16-byte bf16 chunks of a row
 #pragma unroll 3
-    for (int i = tid; i < 64 * 72; i += ATT_MATH_THREADS) {
-        const int r = i / 72, c = i - r * 72;
+    for (int i = tid; i < 64 * CHUNKS; i += ATT_MATH_THREADS) {
+        const int r = i / CHUNKS, c = i - r * CHUNKS;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
         if (r < w.nh) {
-            const size_t off = ((size_t)w.tok * H + w.h0 + r) * ATT_D + (size_t)c * 8;
+            const size_t off = ((size_t)w.tok * H + w.h0 + r) * D + (size_t)c * 8;
             if (q_half) {
                 const uint4 h = __ldg(reinterpret_cast<const uint4*>(
                     reinterpret_cast<const u16*>(q) + off));
@@ -544,11 +552,22 @@ __device__ __forceinline__ void att_softmax_pv(float (&s)[16], AttRows& st, u32 
 // this split's normalised partial rows [T, H, splits, d_v] and, right after them in the
 // same scratch buffer (one allocation), the partial lse [T, H, splits] for
 // cps_mla_combine. L == 0: no valid key (out 0, lse -inf); a NaN score makes L NaN,
-// and NaN flows into out and lse (never the "no valid key" marker).
+// and NaN flows into out and lse (never the "no valid key" marker). With an attention
+// sink [H] (MODEL1 only; splits == 1 here, else cps_mla_combine applies it) out is
+// scaled by att_sink_factor; lse is not.
+__device__ __forceinline__ float att_sink_factor(const float* __restrict__ sink, int h,
+                                                 float row_lse) {
+    // exp(lse) / (exp(lse) + exp(sink)): +inf sink -> 0, -inf -> 1. An empty row (lse
+    // -inf) keeps out = 0: factor 1, not the NaN of -inf - -inf.
+    if (sink == nullptr || row_lse == ATT_NEG_INF) return 1.f;
+    return 1.f / (1.f + expf(__ldg(sink + h) - row_lse));
+}
+
 __device__ __forceinline__ void att_write_rows(AttRows& st, const AttShare& w, u32 s_l,
                                                float* __restrict__ out, float* __restrict__ lse,
                                                float* __restrict__ part_out, int H, int d_v,
-                                               int splits, int wg, int r0, int r1, int t4) {
+                                               int splits, int wg, int r0, int r1, int t4,
+                                               const float* __restrict__ sink = nullptr) {
     float l0 = st.l0, l1 = st.l1;
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -561,8 +580,14 @@ __device__ __forceinline__ void att_write_rows(AttRows& st, const AttShare& w, u
     att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);
     const float L0 = att_ld_f32(s_l + 4 * r0) + att_ld_f32(s_l + 4 * (64 + r0));
     const float L1 = att_ld_f32(s_l + 4 * r1) + att_ld_f32(s_l + 4 * (64 + r1));
-    const float inv0 = L0 == 0.f ? 0.f : 1.f / L0;
-    const float inv1 = L1 == 0.f ? 0.f : 1.f / L1;
+    const float lse0 = L0 == 0.f ? ATT_NEG_INF : st.m0 * ATT_LN2 + logf(L0);
+    const float lse1 = L1 == 0.f ? ATT_NEG_INF : st.m1 * ATT_LN2 + logf(L1);
+    float inv0 = L0 == 0.f ? 0.f : 1.f / L0;
+    float inv1 = L1 == 0.f ? 0.f : 1.f / L1;
+    if (sink != nullptr && splits == 1) {
+        if (r0 < w.nh) inv0 *= att_sink_factor(sink, w.h0 + r0, lse0);
+        if (r1 < w.nh) inv1 *= att_sink_factor(sink, w.h0 + r1, lse1);
+    }
     const int groups = (H + 63) >> 6;
     const size_t part_rows = (size_t)(gridDim.x / splits / groups) * H * splits;
     float* const dst = splits == 1 ? out : part_out;
@@ -583,8 +608,8 @@ __device__ __forceinline__ void att_write_rows(AttRows& st, const AttShare& w, u
     }
     if (wg == 0 && t4 == 0) {
         float* lrow = dst_lse + ((size_t)w.tok * H + w.h0) * splits + w.split;
-        if (r0 < w.nh) lrow[r0 * splits] = L0 == 0.f ? ATT_NEG_INF : st.m0 * ATT_LN2 + logf(L0);
-        if (r1 < w.nh) lrow[r1 * splits] = L1 == 0.f ? ATT_NEG_INF : st.m1 * ATT_LN2 + logf(L1);
+        if (r0 < w.nh) lrow[r0 * splits] = lse0;
+        if (r1 < w.nh) lrow[r1 * splits] = lse1;
     }
 }
 
@@ -625,7 +650,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) cps_sparse_mla_bf16
                                  num_slots, w.t_first, grow, gsub);
         cps_cp_async_commit();
     }
-    att_load_q(q, q_half, w, H, sq, tid);
+    att_load_q<ATT_D>(q, q_half, w, H, sq, tid);
     AttRows st;
     att_rows_init(st);
     for (int it = w.t_first; it < w.t_end; ++it) {
@@ -642,7 +667,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) cps_sparse_mla_bf16
         }
         if (!any) continue;                       // every key of this tile is masked
         float s[16];
-        att_qk_wgmma(s, sq, sk, wg);
+        att_qk_wgmma<36>(s, sq, sk, wg);
         cps_wgmma_wait<0>();
         cps_fence_regs(s);
         att_softmax_pv(s, st, s_valid + buf * 256, s_max, sp, sk, scale_log2, wg, r0, r1, g, t4);
@@ -650,26 +675,24 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) cps_sparse_mla_bf16
     att_write_rows(st, w, s_max, out, lse, part_out, H, d_v, splits, wg, r0, r1, t4);
 }
 
-// The fp8_ds_mla cache: warp-specialized (see "warp specialization" above).
-extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_fp8(ATT_PARAMS) {
-    extern __shared__ __align__(1024) u8 att_smem_raw[];
-    const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
+// The math warpgroups of the warp-specialized kernels (threads 0..255): Q (D wide) to
+// shared memory, then for each tile the producer filled: QK^T over D / 16 k-steps,
+// softmax, PV; then the rows (scaled by the sink, if any).
+template <int D>
+__device__ __forceinline__ void att_consume(const void* __restrict__ q, int q_half,
+                                            const AttShare& w, int H, u32 base,
+                                            float scale_log2, float* __restrict__ out,
+                                            float* __restrict__ lse,
+                                            float* __restrict__ part_out, int d_v, int splits,
+                                            const float* __restrict__ sink, int tid) {
     const u32 sq = base + ATT_OFF_Q, sp = base + ATT_OFF_P;
     const u32 s_max = base + ATT_OFF_MAX, s_valid = base + ATT_OFF_VALID;
-    const int tid = threadIdx.x;
-    const AttShare w = att_share(indices, topk, nullptr, nullptr, H, splits);
-    if (tid >= ATT_MATH_THREADS) {
-        att_setmaxnreg_dec<ATT_PRODUCER_REGS>();
-        att_produce_fp8(kv, w.irow, w.nk_end, num_slots, w.t_first, w.t_end, base,
-                        tid - ATT_MATH_THREADS);
-        return;
-    }
     att_setmaxnreg_inc<ATT_MATH_REGS>();
     const int lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wi = warp & 3;
     const int g = lane >> 2, t4 = lane & 3;
     const int r0 = wi * 16 + g, r1 = r0 + 8;
-    att_load_q(q, q_half, w, H, sq, tid);
+    att_load_q<D>(q, q_half, w, H, sq, tid);
     cps_fence_proxy_async();
     att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);
     AttRows st;
@@ -688,14 +711,256 @@ extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_f
         }
         if (att_bar_or(ATT_BAR_MATH, ATT_MATH_THREADS, mine)) {
             float s[16];
-            att_qk_wgmma(s, sq, sk, wg);
+            att_qk_wgmma<D / 16>(s, sq, sk, wg);
             cps_wgmma_wait<0>();
             cps_fence_regs(s);
             att_softmax_pv(s, st, vld, s_max, sp, sk, scale_log2, wg, r0, r1, g, t4);
         }
         if (it + 2 < w.t_end) att_bar_arrive(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);
     }
-    att_write_rows(st, w, s_max, out, lse, part_out, H, d_v, splits, wg, r0, r1, t4);
+    att_write_rows(st, w, s_max, out, lse, part_out, H, d_v, splits, wg, r0, r1, t4, sink);
+}
+
+// The fp8_ds_mla cache: warp-specialized (see "warp specialization" above).
+extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_fp8(ATT_PARAMS) {
+    extern __shared__ __align__(1024) u8 att_smem_raw[];
+    const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    const AttShare w = att_share(indices, topk, nullptr, nullptr, H, splits);
+    if (tid >= ATT_MATH_THREADS) {
+        att_setmaxnreg_dec<ATT_PRODUCER_REGS>();
+        att_produce_fp8(kv, w.irow, w.nk_end, num_slots, w.t_first, w.t_end, base,
+                        tid - ATT_MATH_THREADS);
+        return;
+    }
+    att_consume<ATT_D>(q, q_half, w, H, base, scale_log2, out, lse, part_out, d_v, splits,
+                       nullptr, tid);
+}
+
+
+// ---- the MODEL1 cache (DeepSeek-V4, FlashMLA's MODEL1_FP8Sparse) ----------------------
+// A page of block_size tokens (page_stride bytes apart): the tokens' 576-byte rows
+// first (448 e4m3 NoPE codes, then 64 bf16 RoPE values), then per token 8 bytes (7 ue8m0
+// scales, one per 64 codes, and a pad byte). The key is 512 wide (codes * scale, RoPE)
+// and is also the value: the tile's blocks 0..6 hold the dequantized NoPE part, block 7
+// the RoPE part, block 8 is never written nor read (QK^T runs 32 k-steps, PV the first
+// 512 columns as for fp8_ds_mla). The key list of a token is its first n_a =
+// min(topk_length, topk) entries of `indices`, then (with an extra cache, e.g. the
+// sliding window) its first n_b entries of `extra_indices`, each list padded to whole
+// tiles of 64: tiles [0, tiles_a) read the main cache, the rest the extra one, and all
+// of them enter one softmax. Every slot outside [0, num_slots) of its own cache is
+// masked and never read.
+#define ATT_M1_D 512
+#define ATT_M1_NOPE 448
+#define ATT_M1_ROW 576              // codes + bf16 RoPE of one token
+#define ATT_M1_SCALE_BYTES 8        // 7 ue8m0 scales + 1 pad byte a token
+#define ATT_M1_CODE_LANES 28        // 16-byte code chunks of a row (448 / 16)
+
+struct AttM1Cache {
+    const u8* kv;
+    long long page_stride;
+    int block_size, num_slots;
+};
+
+// The token's two key lists (n_a, n_b valid-prefix lengths) and the first tile of the
+// extra one.
+struct AttM1Keys {
+    const int* row_a;
+    const int* row_b;
+    int n_a, n_b, tiles_a;
+};
+
+// The cache of tile t, field by field (a select of references would put both structs in
+// local memory).
+__device__ __forceinline__ AttM1Cache att_m1_pick(const AttM1Keys& m, const AttM1Cache& ca,
+                                                  const AttM1Cache& cb, int t) {
+    const bool a = t < m.tiles_a;
+    AttM1Cache c;
+    c.kv = a ? ca.kv : cb.kv;
+    c.page_stride = a ? ca.page_stride : cb.page_stride;
+    c.block_size = a ? ca.block_size : cb.block_size;
+    c.num_slots = a ? ca.num_slots : cb.num_slots;
+    return c;
+}
+
+// ue8m0 byte -> 2 ** (byte - 127); byte 0 is 2 ** -127 (a float denormal), 255 (NaN in
+// the ue8m0 format, never written by the quantizer) gives inf.
+__device__ __forceinline__ float att_ue8m0(u32 byte) {
+    return byte != 0u ? __int_as_float(byte << 23) : __int_as_float(0x00400000);
+}
+
+// A row of the tile being loaded, held by the lane that owns it: page (-1 when masked),
+// offset in the page, and its 8 scale bytes (loaded here, a tile ahead of their use: as
+// 28 byte loads per row in the pass they cost 40% of the kernel's time).
+struct AttM1Row {
+    int page, off;
+    u32 scales_lo, scales_hi;
+};
+
+// Page and offset of the row of tile t, key r of the token's combined list (page -1 when
+// masked); c is the tile's cache.
+__device__ __forceinline__ void att_m1_find(const AttM1Keys& m, const AttM1Cache& c, int t,
+                                            int r, int& page, int& off) {
+    const bool extra = t >= m.tiles_a;
+    const int j = (extra ? t - m.tiles_a : t) * 64 + r;
+    page = -1;
+    off = 0;
+    if (j < (extra ? m.n_b : m.n_a)) {
+        const int slot = __ldg((extra ? m.row_b : m.row_a) + j);
+        if (att_slot_ok(slot, c.num_slots)) {
+            page = (int)((u32)slot / (u32)c.block_size);
+            off = slot - page * c.block_size;
+        }
+    }
+}
+
+// att_m1_find, then the row's scale word.
+__device__ __forceinline__ AttM1Row att_m1_locate(const AttM1Keys& m, const AttM1Cache& c,
+                                                  int t, int r) {
+    AttM1Row row{-1, 0, 0u, 0u};
+    att_m1_find(m, c, t, r, row.page, row.off);
+    if (row.page >= 0) {
+        const uint2 sc = __ldg(reinterpret_cast<const uint2*>(
+            c.kv + (size_t)row.page * (size_t)c.page_stride
+            + (size_t)c.block_size * ATT_M1_ROW + (size_t)row.off * ATT_M1_SCALE_BYTES));
+        row.scales_lo = sc.x;
+        row.scales_hi = sc.y;
+    }
+    return row;
+}
+
+// One pass of 8 rows (row base + k held by lane base + k): lane l < 28 loads code chunk l
+// (dims 16 l .. 16 l + 15) and takes its scale byte (group l / 4) from the row's word.
+__device__ __forceinline__ void att_m1_load_pass(AttPass& r, const AttM1Cache& c,
+                                                 const AttM1Row& mine, int base, int lane) {
+    const int group = lane >> 2;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const int pg = __shfl_sync(0xffffffffu, mine.page, base + k);
+        const int of = __shfl_sync(0xffffffffu, mine.off, base + k);
+        const u32 lo = __shfl_sync(0xffffffffu, mine.scales_lo, base + k);
+        const u32 hi = __shfl_sync(0xffffffffu, mine.scales_hi, base + k);
+        r.codes[k] = make_uint4(0u, 0u, 0u, 0u);
+        r.scales[k] = 0.f;
+        if (pg >= 0 && lane < ATT_M1_CODE_LANES) {
+            r.codes[k] = __ldg(reinterpret_cast<const uint4*>(
+                c.kv + (size_t)pg * (size_t)c.page_stride + (size_t)of * ATT_M1_ROW) + lane);
+            r.scales[k] = att_ue8m0(((group < 4 ? lo : hi) >> (8 * (group & 3))) & 0xFFu);
+        }
+    }
+}
+
+// The 64 bf16 RoPE values of the warp's 16 rows -> block 7, by cp.async (zero-filled and
+// unread when masked: the RoPE part is in the value too).
+__device__ __forceinline__ void att_m1_copy_rope(const AttM1Cache& c, const AttM1Row& mine,
+                                                 u32 sk, int row0, int lane) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int idx = lane + 32 * j, k = idx >> 3, ch = idx & 7;
+        const int pg = __shfl_sync(0xffffffffu, mine.page, k);
+        const int of = __shfl_sync(0xffffffffu, mine.off, k);
+        const bool v = pg >= 0;
+        const u8* rope = c.kv + (v ? (size_t)pg * (size_t)c.page_stride
+                                         + (size_t)of * ATT_M1_ROW + ATT_M1_NOPE : (size_t)0);
+        const int row = row0 + k;
+        cps_cp_async16(sk + row * 128 + 7 * ATT_BLK + ((ch ^ (row & 7)) << 4), rope + 16 * ch, v);
+    }
+}
+
+// Pull a row (576 bytes, up to 6 lines) and its scale bytes into L2 ahead of its load.
+__device__ __forceinline__ void att_m1_prefetch(const AttM1Cache& c, int page, int off,
+                                                int half) {
+    if (page < 0) return;
+    const u8* pbase = c.kv + (size_t)page * (size_t)c.page_stride;
+    const u8* row = pbase + (size_t)off * ATT_M1_ROW;
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+        const u8* p = half ? (k < 2 ? row + 384 + 191 * k
+                                    : pbase + (size_t)c.block_size * ATT_M1_ROW
+                                          + (size_t)off * ATT_M1_SCALE_BYTES)
+                           : row + 128 * k;
+        asm volatile("prefetch.global.L2 [%0];\n" :: "l"(p));
+    }
+}
+
+// The producer warpgroup for MODEL1, as att_produce_fp8 (rows 16 pw .. 16 pw + 15 of
+// every tile in two passes of 8, one in flight while the other is dequantized, rows
+// three tiles ahead pulled into L2), reading each tile from its own cache.
+__device__ __forceinline__ void att_produce_m1(const AttM1Cache& ca, const AttM1Cache& cb,
+                                               const AttM1Keys& m, int t_first, int t_end,
+                                               u32 base, int p) {
+    const int lane = p & 31, row0 = (p >> 5) * 16, mine = row0 + (lane & 15);
+    AttPass a, b;
+    AttM1Cache c = att_m1_pick(m, ca, cb, t_first);
+    AttM1Row row{-1, 0, 0u, 0u};
+    if (t_first < t_end) row = att_m1_locate(m, c, t_first, mine);
+    att_m1_load_pass(a, c, row, 0, lane);
+    for (int t = t_first; t < t_end; ++t) {
+        const int buf = (t - t_first) & 1;
+        const u32 sk = base + ATT_OFF_K + buf * ATT_TILE;
+        const AttM1Cache cn = att_m1_pick(m, ca, cb, t + 1);
+        const AttM1Row next = t + 1 < t_end ? att_m1_locate(m, cn, t + 1, mine)
+                                            : AttM1Row{-1, 0, 0u, 0u};
+        int page_3 = -1, off_3 = 0;
+        const AttM1Cache c3 = att_m1_pick(m, ca, cb, t + 3);
+        if (t + 3 < t_end) att_m1_find(m, c3, t + 3, mine, page_3, off_3);
+        att_m1_load_pass(b, c, row, 8, lane);
+        if (t - t_first >= 2) att_bar_sync(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);
+        att_m1_copy_rope(c, row, sk, row0, lane);
+        if (lane < 16) att_st_s32(base + ATT_OFF_VALID + buf * 256 + 4 * mine, row.page >= 0);
+        att_store_pass<ATT_M1_CODE_LANES>(a, sk, row0, lane);
+        att_m1_prefetch(c3, page_3, off_3, lane >> 4);
+        att_m1_load_pass(a, cn, next, 0, lane);
+        att_store_pass<ATT_M1_CODE_LANES>(b, sk, row0 + 8, lane);
+        cps_cp_async_wait_all();
+        cps_fence_proxy_async();                  // stores -> the async proxy (wgmma)
+        att_bar_arrive(ATT_BAR_FULL + buf, ATT_WS_THREADS);
+        row = next;
+        c = cn;
+    }
+}
+
+// Sparse decode / prefill over MODEL1 caches, with FlashMLA's extras fused: per-token
+// list lengths, the extra cache in the same softmax, the attention sink. Same three
+// warpgroups as cps_sparse_mla_fp8; the split-KV share is over the token's combined
+// tiles (computed here from its lengths: the launch shape stays a function of shapes).
+extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1)
+cps_sparse_mla_model1(const void* __restrict__ q, int q_half,
+                      const u8* __restrict__ kv, const int* __restrict__ indices,
+                      const int* __restrict__ lengths, int topk, int block_size,
+                      long long page_stride, int num_slots,
+                      const u8* __restrict__ ekv, const int* __restrict__ eindices,
+                      const int* __restrict__ elengths, int etopk, int eblock_size,
+                      long long epage_stride, int enum_slots,
+                      const float* __restrict__ sink, float* __restrict__ out,
+                      float* __restrict__ lse, int H, int d_v, float scale_log2, int splits,
+                      float* __restrict__ part_out) {
+    extern __shared__ __align__(1024) u8 att_smem_raw[];
+    const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    AttShare w = att_share(indices, topk, nullptr, nullptr, H, splits);
+    AttM1Keys m;
+    m.row_a = w.irow;
+    m.n_a = lengths != nullptr ? min(max(__ldg(lengths + w.tok), 0), topk) : topk;
+    m.row_b = eindices != nullptr ? eindices + (size_t)w.tok * etopk : nullptr;
+    m.n_b = eindices == nullptr ? 0
+            : elengths != nullptr ? min(max(__ldg(elengths + w.tok), 0), etopk) : etopk;
+    m.tiles_a = (m.n_a + 63) >> 6;
+    {
+        const int tiles_all = m.tiles_a + ((m.n_b + 63) >> 6);
+        const int per_split = (tiles_all + splits - 1) / splits;
+        w.t_first = min(tiles_all, w.split * per_split);
+        w.t_end = min(tiles_all, w.t_first + per_split);
+    }
+    if (tid >= ATT_MATH_THREADS) {
+        att_setmaxnreg_dec<ATT_PRODUCER_REGS>();
+        const AttM1Cache ca{kv, page_stride, block_size, num_slots};
+        const AttM1Cache cb{ekv, epage_stride, eblock_size, enum_slots};
+        att_produce_m1(ca, cb, m, w.t_first, w.t_end, base, tid - ATT_MATH_THREADS);
+        return;
+    }
+    att_consume<ATT_M1_D>(q, q_half, w, H, base, scale_log2, out, lse, part_out, d_v,
+                          splits, sink, tid);
 }
 
 
@@ -703,10 +968,12 @@ extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_f
 //   lse = log sum_s exp(lse_s),  out = sum_s exp(lse_s - lse) out_s
 // (out_s already normalised by its split's sum). A split with no valid key has
 // lse_s = -inf and weight 0; a row with none at all ends with out = 0, lse = -inf
-// as in one pass; a NaN partial lse (a NaN score) makes the row NaN.
+// as in one pass; a NaN partial lse (a NaN score) makes the row NaN. An attention
+// sink [H] (or nullptr) scales out by att_sink_factor of the merged lse.
 extern "C" __global__ void __launch_bounds__(128)
 cps_mla_combine(const float* __restrict__ part_out, float* __restrict__ out,
-                float* __restrict__ lse, int splits, int d_v) {
+                float* __restrict__ lse, const float* __restrict__ sink, int splits, int d_v,
+                int H) {
     __shared__ float weight[ATT_MAX_SPLITS];
     __shared__ float row_lse;
     __shared__ int row_nan;
@@ -726,9 +993,10 @@ cps_mla_combine(const float* __restrict__ part_out, float* __restrict__ out,
             total += weight[s];
         }
         const float inv = total > 0.f ? 1.f / total : 0.f;
-        for (int s = 0; s < splits; ++s) weight[s] *= inv;
-        row_nan = nan;
         row_lse = mx == ATT_NEG_INF ? ATT_NEG_INF : mx + logf(total);
+        const float f = att_sink_factor(sink, (int)(row % (size_t)H), row_lse);
+        for (int s = 0; s < splits; ++s) weight[s] *= inv * f;
+        row_nan = nan;
     }
     __syncthreads();
     const float* po = part_out + row * splits * d_v;

@@ -5,7 +5,11 @@ Launchers of ``attention.cu`` beside this file. The public ops in
 (the op decides what to do with a shape the kernel does not cover).
 
 Covered: head dim 576 (= 512 latent + 64 RoPE), ``d_v`` even and <= 512, any
-number of heads (groups of 64 per CTA, the last one partial), any top-k.
+number of heads (groups of 64 per CTA, the last one partial), any top-k; and
+DeepSeek-V4's MODEL1 cache (head dim 512 = 448 NoPE + 64 RoPE, the key is the
+value) with FlashMLA's extras in the same kernel: per-token list lengths, an
+extra cache (the sliding window) in the same softmax, the attention sink
+(:func:`sparse_mla_attention_model1`).
 
 Split-KV decoding: when the (token, head group) units would leave SMs idle (small
 decode batches), each unit's key tiles are shared among several CTAs
@@ -28,7 +32,9 @@ from typing import Any
 import numpy
 
 from cpsparse import paging, raw_kernels
+from cpsparse.paging import INT32_MAX
 from cpsparse.raw_kernels import index_i32
+from cpsparse.reference import cache as cache_layout
 
 D_QK = 576
 D_V_MAX = 512
@@ -59,7 +65,12 @@ raw_kernels.register_module(
 # cps_sparse_mla_*: q, q_half, kv, indices, topk, num_slots, row_start, row_len, out, lse,
 # H, d_v, scale_log2, splits, part_out (the partial rows, then the partial lse)
 ATTENTION_ARGS = "P i P P ii PPPP ii f i P"
-COMBINE_ARGS = "PPP ii"         # cps_mla_combine: part_out, out, lse, splits, d_v
+COMBINE_ARGS = "PPPP iii"       # cps_mla_combine: part_out, out, lse, sink, splits, d_v, H
+# cps_sparse_mla_model1: q, q_half, then per cache (main, extra) data, indices, lengths,
+# topk, block_size, page_stride, num_slots; then sink, out, lse, H, d_v, scale_log2,
+# splits, part_out
+MODEL1_ARGS = "P i PPP ii q i PPP ii q i PPP ii f i P"
+MODEL1_D_QK = 512
 TO_BF16_ARGS = "PP q"                            # x, y, n
 # cps_local_to_global_slots: indices, req_ids, block_table, num_reqs, max_blocks, topk,
 # n, block_size, out
@@ -117,10 +128,12 @@ def choose_splits(units, tiles, sms):
 _PLANS: dict[Any, Any] = {}
 
 
-def _plan(tokens, heads, topk, fp8, dense, sm_scale, splits):
+def _plan(tokens, heads, topk, kind, dense, sm_scale, splits):
     """(units, splits, attention kernel, combine kernel or None, log2-domain scale) of
-    a launch shape on the current device, memoized (a function of the shapes only)."""
-    key = (raw_kernels.current_device(), tokens, heads, topk, fp8, dense, sm_scale, splits)
+    a launch shape on the current device, memoized (a function of the shapes only).
+    ``kind``: "fp8", "bf16" or "model1"; ``topk``: the key tiles' worth of keys (both
+    lists of MODEL1, each padded to whole tiles)."""
+    key = (raw_kernels.current_device(), tokens, heads, topk, kind, dense, sm_scale, splits)
     plan = _PLANS.get(key)
     if plan is None:
         units = tokens * -(-heads // HEADS_PER_CTA)
@@ -132,8 +145,9 @@ def _plan(tokens, heads, topk, fp8, dense, sm_scale, splits):
                              f"got {splits}")
         combine = None if splits == 1 else raw_kernels.kernel(
             "attention", "cps_mla_combine", COMBINE_ARGS)
-        plan = (units, splits, _attention_kernel(fp8), combine,
-                float(numpy.float32(sm_scale * math.log2(math.e))))
+        fn = (raw_kernels.kernel("attention", "cps_sparse_mla_model1", MODEL1_ARGS, SMEM_BYTES)
+              if kind == "model1" else _attention_kernel(kind == "fp8"))
+        plan = (units, splits, fn, combine, float(numpy.float32(sm_scale * math.log2(math.e))))
         if len(_PLANS) > 1024:
             _PLANS.clear()
         _PLANS[key] = plan
@@ -152,21 +166,94 @@ def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_sc
         out.fill(0)                         # behind indices)
         lse.fill(-numpy.inf)
         return out, lse
-    units, splits, fn, combine, scale_log2 = _plan(tokens, heads, topk, fp8, indices is None,
+    units, splits, fn, combine, scale_log2 = _plan(tokens, heads, topk,
+                                                   "fp8" if fp8 else "bf16", indices is None,
                                                    sm_scale, splits)
     qq, q_half = _q_operand(cp, q)
     num_slots = kv.shape[0]                   # every slot outside [0, num_slots) is masked
     if num_slots == 0:                        # every index is -1: never read, but keep
         kv = cp.zeros((1,) + kv.shape[1:], dtype=kv.dtype)   # the pointer valid
     kv = _aligned(cp, kv)
-    part = None
-    if splits > 1:        # partial rows [T, H, splits, d_v], then partial lse [T, H, splits]
-        part = raw_kernels.empty(cp, (tokens * heads * splits * (d_v + 1),), cp.float32)
+    part = _partials(cp, tokens, heads, splits, d_v)
     fn((units * splits,), (FP8_THREADS if fp8 else THREADS,),
        (qq, q_half, kv, indices, topk, num_slots, row_start, row_len, out, lse, heads, d_v,
         scale_log2, splits, part), shared_mem=SMEM_BYTES)
+    _combine(cp, combine, part, out, lse, None, splits, d_v, heads)
+    return out, lse
+
+
+def _partials(cp, tokens, heads, splits, d_v):
+    """Scratch of split-KV partials: rows [T, H, splits, d_v], then lse [T, H, splits]
+    (None when splits == 1)."""
+    if splits == 1:
+        return None
+    return raw_kernels.empty(cp, (tokens * heads * splits * (d_v + 1),), cp.float32)
+
+
+def _combine(cp, combine, part, out, lse, sink, splits, d_v, heads):
     if combine is not None:
-        combine((tokens * heads,), (128,), (part, out, lse, splits, d_v))
+        combine((out.shape[0] * heads,), (128,), (part, out, lse, sink, splits, d_v, heads))
+
+
+def supports_model1(q_shape, d_v):
+    """True when the MODEL1 kernel covers queries of ``q_shape`` [T, H, 512] and d_v."""
+    return (len(q_shape) == 3 and q_shape[2] == MODEL1_D_QK and 0 < d_v <= D_V_MAX
+            and d_v % 2 == 0)
+
+
+def _model1_pages(cp, data, block_size):
+    """(pages, page stride in bytes) the kernel reads: ``data`` itself when its pages
+    start 16-byte aligned (the rows are 16-byte loads), else the used bytes of each page
+    copied into fresh pages of ``page_bytes``."""
+    page = cache_layout.model1_page_bytes(block_size)
+    stride = data.strides[0] if data.shape[0] > 1 else page
+    if data.data.ptr % 16 == 0 and stride % 16 == 0:
+        return data, stride
+    used = block_size * cache_layout.MODEL1_TOKEN_BYTES
+    pages = cp.zeros((data.shape[0], page), dtype=cp.uint8)
+    pages[:, :used] = data[:, :used]
+    return pages, page
+
+
+def sparse_mla_attention_model1(cp, q, caches, sm_scale, d_v, attn_sink=None, splits=None):
+    """out [T, H, d_v], lse [T, H] over MODEL1 caches, in one softmax.
+
+    ``caches``: one or two (pages uint8 [num_blocks, >= block_size * 584] with the
+    page stride of the layout, block_size, indices [T, topk], lengths [T] or None)
+    tuples: the main cache, then the extra one (the sliding window). Row t attends to
+    the first ``lengths[t]`` (all when None, clamped to [0, topk]) slots of each list.
+    ``attn_sink`` float32 [H] or None. The caller checked :func:`supports_model1`.
+    """
+    tokens, heads, _ = q.shape
+    out = raw_kernels.empty(cp, (tokens, heads, d_v), cp.float32)
+    lse = raw_kernels.empty(cp, (tokens, heads), cp.float32)
+    if tokens == 0 or heads == 0:
+        return out, lse
+    lists = []
+    for data, block_size, indices, lengths in caches:
+        pages, stride = _model1_pages(cp, data, block_size)
+        num_slots = min(data.shape[0] * block_size, INT32_MAX)
+        if num_slots == 0:                   # every index is masked: keep the pointer valid
+            pages = cp.zeros((1, 16), dtype=cp.uint8)
+        lists.append((pages, index_i32(cp, indices), index_i32(cp, lengths), indices.shape[1],
+                      block_size, stride, num_slots))
+    if len(lists) == 1:
+        lists.append((None, None, None, 0, 1, 0, 0))
+    tiles = sum(-(-n[3] // 64) for n in lists)
+    if tiles == 0:
+        out.fill(0)
+        lse.fill(-numpy.inf)
+        return out, lse
+    units, splits, fn, combine, scale_log2 = _plan(tokens, heads, 64 * tiles, "model1", False,
+                                                   sm_scale, splits)
+    qq, q_half = _q_operand(cp, q)
+    sink = None if attn_sink is None else cp.ascontiguousarray(attn_sink, dtype=cp.float32)
+    part = _partials(cp, tokens, heads, splits, d_v)
+    (ka, ia, la, topk_a, bs_a, st_a, n_a), (kb, ib, lb, topk_b, bs_b, st_b, n_b) = lists
+    fn((units * splits,), (FP8_THREADS,),
+       (qq, q_half, ka, ia, la, topk_a, bs_a, st_a, n_a, kb, ib, lb, topk_b, bs_b, st_b, n_b,
+        sink, out, lse, heads, d_v, scale_log2, splits, part), shared_mem=SMEM_BYTES)
+    _combine(cp, combine, part, out, lse, sink, splits, d_v, heads)
     return out, lse
 
 
