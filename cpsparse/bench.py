@@ -572,6 +572,15 @@ def _legend_outside(ax, top_first=False, **kwargs):
               borderaxespad=0.0, **kwargs)
 
 
+def _batch_context_ticks(ax, rows):
+    """x ticks ``B=8`` over ``32K`` a bar (the axis label says which is which), the
+    figure wide enough that neighbouring labels never overlap."""
+    labels = [f"B={r['batch']}\n{context_label(r['context'])}" for r in rows]
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_xlabel("batch, context (tokens)", fontsize=8)
+    ax.figure.set_figwidth(max(ax.figure.get_figwidth(), 2.5 + 0.5 * len(rows)))
+
+
 def plot(results, out_dir):
     """PNG plots of each scenario; returns the files written (none without matplotlib).
 
@@ -602,10 +611,9 @@ def plot(results, out_dir):
     rows = results["scenarios"].get("mtp")
     if rows:
         fig, ax = plt.subplots(figsize=(7.5, 3.5))
-        labels = [f"B={r['batch']}\nctx {context_label(r['context'])}" for r in rows]
         ax.bar(range(len(rows)), [r["speedup"] for r in rows])
         ax.axhline(2.0, color="gray", ls="--", label="target 2.0x")
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        _batch_context_ticks(ax, rows)
         ax.set_ylabel("steps 1+: recompute / reuse")
         ax.set_title(f"MTP step-0 top-k reuse (MTPDrafter), {where}", fontsize=9)
         _legend_outside(ax)
@@ -613,13 +621,12 @@ def plot(results, out_dir):
     rows = results["scenarios"].get("decode_step")
     if rows:
         fig, ax = plt.subplots(figsize=(8.5, 3.5))
-        labels = [f"B={r['batch']}\nctx {context_label(r['context'])}" for r in rows]
         bottom = [0.0] * len(rows)
         for key in ("projections_ms", "indexer_ms", "topk_ms", "slots_ms", "attention_ms"):
             vals = [r.get(key) or 0.0 for r in rows]
             ax.bar(range(len(rows)), vals, bottom=bottom, label=key[:-3])
             bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        _batch_context_ticks(ax, rows)
         ax.set_ylabel("ms per decode step")
         ax.set_title(f"Decode step of one layer, {where}", fontsize=9)
         _legend_outside(ax, top_first=True, fontsize=7)

@@ -242,6 +242,8 @@ def test_plots_name_the_device_label_contexts_and_keep_legends_off_the_bars(tmp_
         legend = ax.get_legend()
         figures[name] = dict(
             title=ax.get_title(), ticks=[t.get_text() for t in ax.get_xticklabels()],
+            tick_boxes=[(b.x0, b.x1) for b in (t.get_window_extent()
+                                               for t in ax.get_xticklabels())],
             legend_x0=legend.get_window_extent().x0 if legend else None,
             axes_x1=ax.get_window_extent().x1)
         return real_save(fig, out_dir, name)
@@ -254,18 +256,21 @@ def test_plots_name_the_device_label_contexts_and_keep_legends_off_the_bars(tmp_
                           for t in (256, 1024)],
         "mtp": [dict(batch=1, context=512, speedup=2.1), dict(batch=8, context=32768,
                                                                 speedup=2.0)],
-        "decode_step": [dict(batch=1, context=512, projections_ms=0.1, indexer_ms=0.1,
-                             topk_ms=0.1, slots_ms=0.01, attention_ms=0.2),
-                        dict(batch=64, context=32768, projections_ms=0.1, indexer_ms=0.1,
-                             topk_ms=0.1, slots_ms=0.01, attention_ms=0.2)]}}
+        # the decode-step table's 15 rows (5 batches x 3 contexts, 128K the widest label)
+        "decode_step": [dict(batch=b, context=c, projections_ms=0.1, indexer_ms=0.1,
+                             topk_ms=0.1, slots_ms=0.01, attention_ms=0.2)
+                        for b in (1, 8, 32, 64, 128) for c in (512, 32768, 131072)]}}
     files = bench.plot(results, tmp_path)
     assert sorted(pathlib.Path(f).name for f in files) == sorted(figures)
     assert len(figures) == 3
     for name, fig in figures.items():
         assert "NVIDIA H200" in fig["title"], name
         assert fig["legend_x0"] is not None and fig["legend_x0"] >= fig["axes_x1"], name
-    assert figures["mtp_reuse.png"]["ticks"] == ["B=1\nctx 512", "B=8\nctx 32K"]
-    assert figures["decode_step.png"]["ticks"] == ["B=1\nctx 512", "B=64\nctx 32K"]
+    assert figures["mtp_reuse.png"]["ticks"] == ["B=1\n512", "B=8\n32K"]
+    assert figures["decode_step.png"]["ticks"][:3] == ["B=1\n512", "B=1\n32K", "B=1\n128K"]
+    for name, fig in figures.items():                  # neighbouring labels never overlap
+        boxes = fig["tick_boxes"]
+        assert all(a[1] < b[0] for a, b in zip(boxes, boxes[1:])), (name, fig["ticks"])
     results.pop("device")
     results["host"] = {"machine": "x86_64"}
     bench.plot(results, tmp_path)

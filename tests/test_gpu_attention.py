@@ -487,6 +487,24 @@ def test_model1_extras_fused_match_reference(cp, katt, tokens, heads):
                                                   topk_length=dkw["topk_length"]), exp)
 
 
+def test_model1_empty_main_list_with_a_window(cp, katt):
+    """topk 0 in the main list (no buffer behind it), the window list alone: the
+    window's softmax, and with no window either the empty marker."""
+    rng = np.random.default_rng(31)
+    host, dev = model1_caches(cp, rng, 4)
+    host_w, dev_w = model1_caches(cp, rng, 3, block_size=48)
+    q = model1_q(rng, (4, 64, 512))
+    none = np.zeros((4, 0), np.int32)
+    e_idx = ragged_indices(rng, 4, 96, host_w.num_slots)
+    exp = sparse_mla_attention(q, host, none, M1_SCALE, extra_kv_cache=host_w,
+                               extra_indices=e_idx)
+    check_kernel(cp, lambda: sparse_mla_attention(cp.asarray(q), dev, cp.asarray(none),
+                                                  M1_SCALE, extra_kv_cache=dev_w,
+                                                  extra_indices=cp.asarray(e_idx)), exp)
+    out, lse = sparse_mla_attention(cp.asarray(q), dev, cp.asarray(none), M1_SCALE)
+    assert (out.get() == 0).all() and (lse.get() == -np.inf).all()
+
+
 def test_model1_masked_slots_are_never_read(cp, katt):
     """NaN bytes in every slot no valid entry names (and past each list's length) never
     reach out or lse; a NaN query head gives NaN in that head only."""

@@ -204,7 +204,8 @@ def supports_model1(q_shape, d_v):
 def _model1_pages(cp, data, block_size):
     """(pages, page stride in bytes) the kernel reads: ``data`` itself when its pages
     start 16-byte aligned (the rows are 16-byte loads), else the used bytes of each page
-    copied into fresh pages of ``page_bytes``."""
+    copied into fresh pages of ``page_bytes`` (a copy of the whole cache every call:
+    correct, slow; MLAKVCache's own pages and FlashMLA's views are aligned)."""
     page = cache_layout.model1_page_bytes(block_size)
     stride = data.strides[0] if data.shape[0] > 1 else page
     if data.data.ptr % 16 == 0 and stride % 16 == 0:
@@ -235,8 +236,13 @@ def sparse_mla_attention_model1(cp, q, caches, sm_scale, d_v, attn_sink=None, sp
         num_slots = min(data.shape[0] * block_size, INT32_MAX)
         if num_slots == 0:                   # every index is masked: keep the pointer valid
             pages = cp.zeros((1, 16), dtype=cp.uint8)
-        lists.append((pages, index_i32(cp, indices), index_i32(cp, lengths), indices.shape[1],
-                      block_size, stride, num_slots))
+        idx = index_i32(cp, indices)
+        if idx.size == 0:
+            # An empty list has no buffer (pointer 0); the kernel never reads it, but a
+            # null main list would send att_share down its causal-range branch.
+            idx = cp.full((1,), -1, dtype=cp.int32)
+        lists.append((pages, idx, index_i32(cp, lengths), indices.shape[1], block_size,
+                      stride, num_slots))
     if len(lists) == 1:
         lists.append((None, None, None, 0, 1, 0, 0))
     tiles = sum(-(-n[3] // 64) for n in lists)
