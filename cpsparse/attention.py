@@ -281,11 +281,13 @@ def _check_lengths(xp, name, lengths, tokens):
 
 def _sparse_with_extras(q, kv_cache, indices, sm_scale, d_v, attn_sink, topk_length,
                         extra_kv_cache, extra_indices, extra_topk_length):
-    """:func:`sparse_mla_attention` with FlashMLA's extras: each key source through
-    the core (kernels or reference), merged by lse into one softmax, then the sink.
+    """:func:`sparse_mla_attention` with FlashMLA's extras. On CuPy with MODEL1 caches
+    only, one kernel does it all (lengths, both lists in one softmax, the sink);
+    otherwise each key source goes through the core (kernels or reference), merged by
+    lse into one softmax, then the sink.
 
     The composition is exact (a softmax over two disjoint index lists is the lse
-    merge of the two), and costs a launch or two more than a fused kernel would."""
+    merge of the two), and costs a launch or two more than the fused kernel."""
     if (extra_kv_cache is None) != (extra_indices is None):
         raise ValueError("Invalid extra_kv_cache: expected extra_kv_cache and "
                          "extra_indices together, got only one of them")
