@@ -511,12 +511,12 @@ def _model1_view(s, cache):
     return pages.as_strided((nb, bs, 1, 584), (pages.stride(0), 584, 584, 1))
 
 
-def run_mla_model1_decode(s, w):
-    """DeepSeek-V4 decode: a MODEL1 cache of 32K-token requests (top-k slots) and a
-    128-token sliding-window cache (its own slots), one softmax over both; the same
-    pages and slots for FlashMLA (extra_k_cache / extra_indices_in_kvcache)."""
-    cp, cps, torch = s.cp, s.cps, s.torch
-    b, h, k, win, ctx = w["B"], w["H"], w["topk"], w["window"], w["ctx"]
+def mla_model1_inputs(cp, cps, b, h, k, win, ctx, n_sets=2):
+    """The inputs of an ``mla_model1_decode_*`` workload: a MODEL1 cache of ``b``
+    requests of ``ctx`` tokens on shuffled pages, a window cache of ``win`` tokens a
+    request (slots ``win * r .. win * r + win - 1``), and ``n_sets`` pairs (q [b, h, 512]
+    of bf16-exact float16 values, global slots of ``k`` distinct positions a row).
+    Returns (cache, window, window slots [b, win], sets)."""
     pages = ctx // BS
     cache = cps.MLAKVCache(b * pages, BS, layout="model1", xp=cp)
     window = cps.MLAKVCache(b * win // BS, BS, layout="model1", xp=cp)
@@ -524,11 +524,20 @@ def run_mla_model1_decode(s, w):
     _fill_model1(cp, window)
     table = cp.random.permutation(b * pages).astype(cp.int32).reshape(b, pages)
     req = cp.arange(b, dtype=cp.int32)
-    # the window of request r: its 128 latest tokens, slots 128 r .. 128 r + 127
     w_slots = (win * req[:, None] + cp.arange(win, dtype=cp.int32)[None, :]).astype(cp.int32)
     sets = [(_bf16_f16(cp, (b, h, 512)),
              cps.local_to_global_slots(_positions(cp, b, ctx, k), req, table, BS))
-            for _ in range(2)]
+            for _ in range(n_sets)]
+    return cache, window, w_slots, sets
+
+
+def run_mla_model1_decode(s, w):
+    """DeepSeek-V4 decode: a MODEL1 cache of 32K-token requests (top-k slots) and a
+    128-token sliding-window cache (its own slots), one softmax over both; the same
+    pages and slots for FlashMLA (extra_k_cache / extra_indices_in_kvcache)."""
+    cp, cps, torch = s.cp, s.cps, s.torch
+    b, h, k, win, ctx = w["B"], w["H"], w["topk"], w["window"], w["ctx"]
+    cache, window, w_slots, sets = mla_model1_inputs(cp, cps, b, h, k, win, ctx)
     scale = 512 ** -0.5
 
     def call(q, sl):

@@ -17,6 +17,12 @@ difference to ``base`` is what that part adds to the critical path:
 The outputs of the variants are wrong by construction; only the times mean something.
 Results: stdout and ``$OUT/profile_attention.json`` when set.
 
+``model1`` (``python3 -m benchmarks.profile_attention model1 [VARIANT ...]``) does the
+same for the MODEL1 kernel on the ``mla_model1_decode_*`` shapes (B 128, 32K contexts,
+top-k 512 / 1024 plus a 128-token window, H 64 / 128): ``nomath`` (both products
+removed), ``noscale`` (the scale taken as 1, not from the row's scale word),
+``nocodes`` (no code loads), ``noloads`` (neither); ``$OUT/profile_attention_model1.json``.
+
 ``trace`` (``python3 -m benchmarks.profile_attention trace``) instead records, in the
 first CTAs of one B=128 call, the SM clock (``clock64``) at five points of every tile:
 the producer's loop top, after its EMPTY wait, before its FULL arrive; the math
@@ -49,6 +55,26 @@ VARIANTS = {
 }
 SHAPES = [(128, 1, 128), (64, 2, 64), (8, 1, 128), (1, 1, 128)]   # (B, s_q, H)
 CTX, TOPK = 32768, 2048
+
+# ``model1`` (``python3 -m benchmarks.profile_attention model1``): the same kind of
+# ablations of the MODEL1 kernel (cps_sparse_mla_model1) on the mla_model1_decode
+# workloads (B 128, 32K contexts, top-k slots plus a 128-token window). The scale and
+# code substitutions hit its producer only; nomath removes both products of every
+# kernel of the module (only the MODEL1 kernel runs here).
+_M1_CODES = ("            r.codes[k] = __ldg(reinterpret_cast<const uint4*>(\n"
+             "                c.kv + (size_t)pg * (size_t)c.page_stride"
+             " + (size_t)of * ATT_M1_ROW) + lane);")
+_M1_SCALE = "            r.scales[k] = att_ue8m0(((group < 4 ? lo : hi) >> (8 * (group & 3))) & 0xFFu);"
+MODEL1_VARIANTS = {
+    "base": [],
+    "nomath": [_QK, _PV],
+    "noscale": [(_M1_SCALE, "            r.scales[k] = 1.f;")],
+    "nocodes": [(_M1_CODES, "            r.codes[k] = make_uint4(of, pg, lane, 0);")],
+    "noloads": [(_M1_SCALE, "            r.scales[k] = 1.f;"),
+                (_M1_CODES, "            r.codes[k] = make_uint4(of, pg, lane, 0);")],
+}
+MODEL1_SHAPES = [(64, 512), (64, 1024), (128, 512), (128, 1024)]    # (H, topk), B 128
+MODEL1_WINDOW = 128
 
 # The trace: a buffer of clock64 stamps [cta][event][tile] and the five stores; each
 # (anchor, replacement) must hit attention.cu once (tests/test_profile_attention.py).
@@ -89,9 +115,11 @@ TRACE = [
 ]
 
 
-def variant_source(source, name):
-    """``source`` with the substitutions of variant ``name`` (or ``"trace"``) applied."""
-    return harness.substitute(source, TRACE if name == "trace" else VARIANTS[name],
+def variant_source(source, name, variants=None):
+    """``source`` with the substitutions of variant ``name`` (or ``"trace"``) applied
+    (``variants``: the table to look ``name`` up in, default VARIANTS)."""
+    table = VARIANTS if variants is None else variants
+    return harness.substitute(source, TRACE if name == "trace" else table[name],
                               f"variant {name} of attention.cu")
 
 
@@ -152,6 +180,30 @@ def trace(cp, cpsparse, katt, raw_kernels, base):
     return summary
 
 
+def model1(cp, cpsparse, katt, timing, base, names):
+    """Graph-replay time of each MODEL1 variant on each MODEL1_SHAPES workload."""
+    from benchmarks.bench_peers import mla_model1_inputs
+    results = {}
+    for h, k in MODEL1_SHAPES:
+        cache, window, w_slots, sets = mla_model1_inputs(cp, cpsparse, 128, h, k,
+                                                         MODEL1_WINDOW, CTX)
+        key = f"B128_H{h}_topk{k}_w{MODEL1_WINDOW}"
+        for name in names:
+            with attention_source(variant_source(base, name, MODEL1_VARIANTS)):
+                def call(q, slots):
+                    return katt.sparse_mla_attention_model1(
+                        cp, q, [(cache.data, cache.block_size, slots, None),
+                                (window.data, window.block_size, w_slots, None)],
+                        512 ** -0.5, 512)
+                g = timing.time_graph(call, sets, reps=4, warmup=2, iters=15)
+            results.setdefault(key, {})[name] = g["median_ms"] * 1e3
+            print(f"model1 {name:8s} {key:24s} {g['median_ms'] * 1e3:8.1f} us "
+                  f"({g['p10_ms'] * 1e3:.1f}-{g['p90_ms'] * 1e3:.1f})", flush=True)
+        del cache, window, sets
+        cp.get_default_memory_pool().free_all_blocks()
+    return results
+
+
 def main(names=None):
     cp = harness.cupy()
     import cpsparse
@@ -161,6 +213,14 @@ def main(names=None):
 
     names = names or list(VARIANTS)
     base = raw_kernels.module_source("attention")
+    if names[0] == "model1":
+        results = model1(cp, cpsparse, katt, timing, base,
+                         names[1:] or list(MODEL1_VARIANTS))
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, "profile_attention_model1.json"), "w") as f:
+                json.dump({"device": harness.device_info(), "graph_us": results}, f, indent=2)
+        return results
     if names == ["trace"]:
         summary = trace(cp, cpsparse, katt, raw_kernels, base)
         out = os.environ.get("OUT")

@@ -15,6 +15,15 @@ def test_variant_changes_the_source_where_it_says(name):
         assert new in src
 
 
+@pytest.mark.parametrize("name", sorted(P.MODEL1_VARIANTS))
+def test_model1_variant_changes_the_source_where_it_says(name):
+    base = raw_kernels.module_source("attention")
+    src = P.variant_source(base, name, P.MODEL1_VARIANTS)
+    assert (src == base) == (name == "base")
+    for old, new in P.MODEL1_VARIANTS[name]:
+        assert new in src
+
+
 def test_a_stale_substitution_is_an_error(monkeypatch):
     monkeypatch.setitem(P.VARIANTS, "stale", [("no such text in attention.cu", "")])
     with pytest.raises(ValueError, match="expected one occurrence"):

@@ -53,6 +53,10 @@ if want profile; then
     timeout 300 python3 -m benchmarks.profile_attention 2>&1 | tee "$OUT/profile_attention.log" \
         | tail -30
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    # The MODEL1 kernel's ablations (its producer's loads, the products).
+    timeout 300 python3 -m benchmarks.profile_attention model1 2>&1 \
+        | tee "$OUT/profile_attention_model1.log" | tail -20
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     # ... and which side of the pipeline waits for which (clock64 stamps a tile).
     timeout 120 python3 -m benchmarks.profile_attention trace 2>&1 \
         | tee "$OUT/profile_attention_trace.log" | tail -10
