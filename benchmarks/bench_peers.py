@@ -232,18 +232,20 @@ def _fill_model1(cp, cache, chunk=2048):
     """Valid MODEL1 pages: e4m3 codes, ue8m0 scale bytes in [2**-10, 2**-1], zero pad,
     64 bf16 RoPE values a token."""
     from cpsparse.reference import cache as cache_ref
+    nope, rope_dim = cache_ref.MODEL1_NOPE, cache_ref.MODEL1_ROPE
+    groups = cache_ref.MODEL1_SCALES                       # scale bytes, then 1 pad byte
     rows, scales = cache_ref._model1_views(cache.data, cache.block_size)
     bs = cache.block_size
     for p0 in range(0, rows.shape[0], chunk):
         p1 = min(rows.shape[0], p0 + chunk)
         n = (p1 - p0) * bs
-        rows[p0:p1, :, :448] = _codes(cp, (n, 448)).reshape(p1 - p0, bs, 448)
-        rope = cp.random.standard_normal((n, 64), dtype=cp.float32) * cp.float32(0.5)
-        rows[p0:p1, :, 448:] = (rope.view(cp.uint32) >> 16).astype(cp.uint16).view(
-            cp.uint8).reshape(p1 - p0, bs, 128)
-        scales[p0:p1, :, :7] = cp.random.randint(117, 127, (p1 - p0, bs, 7),
-                                                 dtype=cp.int32).astype(cp.uint8)
-        scales[p0:p1, :, 7] = 0
+        rows[p0:p1, :, :nope] = _codes(cp, (n, nope)).reshape(p1 - p0, bs, nope)
+        rope = cp.random.standard_normal((n, rope_dim), dtype=cp.float32) * cp.float32(0.5)
+        rows[p0:p1, :, nope:] = (rope.view(cp.uint32) >> 16).astype(cp.uint16).view(
+            cp.uint8).reshape(p1 - p0, bs, 2 * rope_dim)
+        scales[p0:p1, :, :groups] = cp.random.randint(117, 127, (p1 - p0, bs, groups),
+                                                      dtype=cp.int32).astype(cp.uint8)
+        scales[p0:p1, :, groups] = 0
 
 
 def _positions(cp, rows, width, k):

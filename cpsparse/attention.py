@@ -340,17 +340,21 @@ def _sparse_with_extras(q, kv_cache, indices, sm_scale, d_v, attn_sink, topk_len
 def sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v):
     """:func:`sparse_mla_attention` on validated arguments: ``source`` is an
     :class:`MLAKVCache` (fp8_ds_mla or MODEL1) or a dense workspace [S, D]."""
-    rows, decode = _rows_of(source)
     if _backend.use_kernels(xp):
         if isinstance(source, Model1KVCache):
+            # the kernel reads the pages (MODEL1's records() would build a device
+            # arange of every slot for nothing)
             if _katt.supports_model1(q.shape, d_v):
                 return _katt.sparse_mla_attention_model1(
                     xp, q, [(source.data, source.block_size, indices, None)], sm_scale, d_v)
-        elif _katt.supports(q.shape, d_v) and _katt.supports_rows(rows, decode is not None):
-            return _katt.sparse_mla_attention(xp, q, rows, indices, sm_scale, d_v,
-                                              decode is not None)
+        else:
+            rows, decode = _rows_of(source)
+            if _katt.supports(q.shape, d_v) and _katt.supports_rows(rows, decode is not None):
+                return _katt.sparse_mla_attention(xp, q, rows, indices, sm_scale, d_v,
+                                                  decode is not None)
         _backend.warn_fallback("sparse_mla_attention", tuple(q.shape) + (d_v,),
                                "this head dim / d_v / record size")
+    rows, decode = _rows_of(source)
     return _ref.sparse_mla_attention(q, rows, indices, sm_scale, d_v, decode)
 
 

@@ -245,7 +245,7 @@ def sparse_mla_attention_model1(cp, q, caches, sm_scale, d_v, attn_sink=None, sp
                       stride, num_slots))
     if len(lists) == 1:
         lists.append((None, None, None, 0, 1, 0, 0))
-    tiles = sum(-(-n[3] // 64) for n in lists)
+    tiles = sum(-(-entry[3] // 64) for entry in lists)      # entry[3]: the list's topk
     if tiles == 0:
         out.fill(0)
         lse.fill(-numpy.inf)
