@@ -190,6 +190,34 @@ def test_sparse_dense_workspace(cp, katt, heads, topk, dtype):
     check_kernel(cp, lambda: sparse_mla_attention(q_d, kv_d, idx_d, SCALE), exp)
 
 
+def test_sparse_bf16_masked_pairs(cp, katt):
+    """The prefill kernel takes its tiles in pairs (one per math warpgroup) and skips a
+    pair with no valid key: masked pairs at the start, in the middle and at the end,
+    one masked tile of a pair, an odd tile count with a partial last tile, a row whose
+    only keys are in the last partial tile, slots past the rows and negative ones."""
+    rng = np.random.default_rng(11)
+    tokens, heads, rows, topk = 8, 128, 900, 7 * 64 + 5         # 8 tiles: 4 pairs
+    kv = bf16_normal(rng, (rows, 576))
+    q = bf16_normal(rng, (tokens, heads, 576))
+    idx = rng.integers(0, rows, (tokens, topk)).astype(np.int32)
+    idx[0, 0:128] = -1                   # pair 0 masked
+    idx[1, 128:256] = -1                 # pair 1 masked
+    idx[2, 256:] = -1                    # pairs 2 and 3 masked
+    idx[3, 64:128] = -1                  # tile 1 of pair 0 only
+    idx[4, :448] = -1                    # only the partial last tile
+    idx[5, :] = -1
+    idx[5, 200] = rows - 1               # one key
+    idx[6, ::3] = rows + 5               # out of range: masked, never read
+    idx[7, 1::2] = -7
+    exp = sparse_mla_attention(q, kv, np.where((idx >= 0) & (idx < rows), idx, -1), SCALE)
+    q_d, kv_d, idx_d = cp.asarray(q), cp.asarray(kv), cp.asarray(idx)
+    covered(katt, q_d, kv_d)
+    poison_pool(cp)
+    got = katt.sparse_mla_attention(cp, q_d, kv_d, idx_d, SCALE, 512, False, splits=1)
+    msg = compare(got, exp)
+    assert msg is None, msg
+
+
 def test_sparse_d_v_and_empty_topk(cp, katt):
     rng = np.random.default_rng(5)
     kv = bf16_normal(rng, (300, 576))
@@ -238,16 +266,46 @@ FLASHMLA_OUT = (1e-3, 2.01 / 128)
 FLASHMLA_LSE = (1e-6, 8.01 / 65536)
 
 
-def assert_flashmla_close(got, exp, what):
+def assert_flashmla_close(got, exp, what, out_tol=FLASHMLA_OUT, lse_tol=FLASHMLA_LSE):
     (out, lse), (e_out, e_lse) = (a.get() for a in got), exp
-    for name, g, e, (atol, rtol) in (("out", out, e_out, FLASHMLA_OUT),
-                                     ("lse", lse, e_lse, FLASHMLA_LSE)):
+    for name, g, e, (atol, rtol) in (("out", out, e_out, out_tol),
+                                     ("lse", lse, e_lse, lse_tol)):
         same_inf = (g == e) & ~np.isfinite(e)
         err = np.abs(g.astype(np.float64) - e)
         ok = same_inf | (err <= atol) | (err <= rtol * np.abs(e))
         assert ok.all(), (f"{what}: {name} outside FlashMLA's tolerance at "
                           f"{int((~ok).sum())} of {ok.size} elements, worst error "
                           f"{float(np.nanmax(np.where(ok, 0, err))):.3g}")
+
+
+FLASHMLA_PREFILL_OUT = (8e-4, 3.01 / 128)
+FLASHMLA_PREFILL_LSE = (1e-6, 2.01 / 65536)
+
+
+@pytest.mark.parametrize("heads", [64, 128])
+def test_prefill_within_flashmla_prefill_tolerance(cp, katt, heads):
+    """The data and tolerances of FlashMLA's sparse-prefill test (q, kv ~ N(0, 1) / 10
+    plus an offset, in bf16; sm_scale 0.5; distinct indices with invalid ones of every
+    kind: -2**31, -1, s_kv, 2**31 - 1), per element, on the dense-rows kernel."""
+    rng = np.random.default_rng(heads)
+    tokens, s_kv, topk = 40, 4096, 2048
+    off_q, off_kv = rng.random(2) - 0.5
+    q = bf16_round((rng.standard_normal((tokens, heads, 576)) / 10 + off_q / 10)
+                   .clip(-10, 10).astype(np.float32))
+    kv = bf16_round((rng.standard_normal((s_kv, 576)) / 10 + off_kv / 10)
+                    .clip(-10, 10).astype(np.float32))
+    idx = np.stack([rng.permutation(s_kv)[:topk] for _ in range(tokens)]).astype(np.int32)
+    bad = np.array([-2**31, -123456, -1, s_kv, 114514, 2**31 - 1], dtype=np.int32)
+    hole = rng.random(idx.shape) < 0.1
+    idx[hole] = rng.choice(bad, int(hole.sum()))
+    idx[3] = -1                                          # a row with no valid key
+    exp = sparse_mla_attention(q, kv, np.where((idx >= 0) & (idx < s_kv), idx, -1), 0.5)
+    q_d, kv_d, idx_d = cp.asarray(q), cp.asarray(kv), cp.asarray(idx)
+    covered(katt, q_d, kv_d)
+    poison_pool(cp)
+    got = katt.sparse_mla_attention(cp, q_d, kv_d, idx_d, 0.5, 512, False)
+    assert_flashmla_close(got, exp, f"prefill H={heads}", FLASHMLA_PREFILL_OUT,
+                          FLASHMLA_PREFILL_LSE)
 
 
 def flashmla_like_q(rng, shape):

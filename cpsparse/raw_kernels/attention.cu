@@ -3,37 +3,43 @@
 // One CTA per (query token, group of 64 heads, split): with splits > 1 (split-KV
 // decoding, chosen by the launcher when the units would leave SMs idle) each CTA
 // takes an equal share of the token's key tiles and writes a normalised partial row
-// and its lse, merged by cps_mla_combine at the end of this file. Two math
-// warpgroups (256 threads) visit the token's keys (top-k slots, or a causal range
-// for the dense route) in tiles of 64, double buffered in shared memory as bf16
-// [64 x 576]:
-//   - dense bf16 rows (cps_sparse_mla_bf16, 256 threads): the math threads gather
-//     the next tile by 16-byte cp.async while they use the current one;
-//   - fp8_ds_mla cache (cps_sparse_mla_fp8, 384 threads): a third, producer
-//     warpgroup reads the 656-byte records (one warp load = 512 contiguous code
-//     bytes of one record), dequantizes them (e4m3 code * fp32 group scale -> bf16;
-//     RoPE bf16 as is, by cp.async) and hands each buffer over through named
-//     barriers, so the dequantization overlaps the math warpgroups' MMAs;
-//   S = Q K^T    (bf16 MMA, fp32 accumulate; warpgroup w owns keys 32w..32w+31)
-//   online softmax in base 2 (sm_scale * log2 e folded in), row max shared
-//   between the two warpgroups through shared memory;
-//   O += P V     (V = first 512 columns of the same rows; warpgroup w owns
-//                 output columns 256w..256w+255, all 64 heads)
-// Masked keys (-1 / past the row's length) are zero-filled and get p = 0; a
-// fully masked tile is skipped; a row with no valid key ends with out = 0 and
-// lse = -inf. lse is returned in natural log.
+// and its lse, merged by cps_mla_combine at the end of this file. Every kernel runs
+// three warpgroups (384 threads): a producer warpgroup that fills two K buffers of
+// bf16 [64 keys x 576] in shared memory with the token's keys (top-k slots, or a
+// causal range for the dense route), and two math warpgroups:
+//   - dense bf16 rows (cps_sparse_mla_bf16: prefill): the producer gathers the rows
+//     by 16-byte cp.async; the math warpgroups run FlashMLA's sparse-prefill
+//     "ping-pong" schedule ("the ping-pong kernel" below): warpgroup w owns every
+//     other tile (S = Q K^T by wgmma m64n64k16 over the whole tile, its softmax),
+//     the row max passes between them as a chain, and each computes its 256 output
+//     columns of P V for both tiles of a pair (its own P from registers, the other's
+//     from shared memory), so one warpgroup's softmax overlaps the other's products;
+//   - fp8_ds_mla cache (cps_sparse_mla_fp8: decode) and MODEL1 (cps_sparse_mla_model1):
+//     the producer reads the records (one warp load = 512 contiguous code bytes of
+//     one record), dequantizes them (e4m3 code * scale -> bf16; RoPE bf16 as is, by
+//     cp.async) and hands each buffer over through named barriers, so the
+//     dequantization overlaps the MMAs; the math warpgroups (att_consume) share each
+//     tile: S = Q K^T by wgmma m64n32k16 (warpgroup w owns keys 32w..32w+31), online
+//     softmax with the row max exchanged through shared memory, O += P V (V = first
+//     512 columns of the same rows; warpgroup w owns output columns 256w..256w+255,
+//     all 64 heads; P from shared memory).
+// Softmax in base 2 (sm_scale * log2 e folded in). Masked keys (-1 / past the row's
+// length / outside [0, num_slots)) are zero-filled, never read, and get p = 0; a fully
+// masked tile (a pair, in the ping-pong kernel) is skipped; a row with no valid key
+// ends with out = 0 and lse = -inf. lse is returned in natural log.
 //
 // Shared-memory tiles use the 128-byte swizzle of wgmma (K-major, 8-row x
 // 128-byte atoms, 16-byte chunk c of row r at chunk c ^ (r & 7)): a [64 x 576]
 // bf16 tile is 9 column blocks of [64 x 64] (8 KB each). Both products run on
 // the tensor cores by wgmma, operands straight from shared memory:
-//   QK^T by wgmma m64n32k16 (A = Q, B = K, both K-major),
-//   PV   by wgmma m64n256k16 (A = P K-major, B = V MN-major, trans-b).
+//   QK^T by wgmma m64n32k16 / m64n64k16 (A = Q, B = K, both K-major),
+//   PV   by wgmma m64n256k16 (A = P K-major from shared memory or registers, B = V
+//        MN-major, trans-b).
 // Fragment layout of the softmax and the epilogue: warp wi (0..3) of warpgroup
 // wg holds heads 16wi + g (+8), g = lane / 4.
 // Shared cp.async / fence / wgmma helpers (cps_*): hopper.cuh.
 
-// ATT_THREADS, ATT_WS_THREADS and ATT_SMEM_BYTES are #defined by the launcher (raw_kernels/attention.py),
+// ATT_WS_THREADS and ATT_SMEM_BYTES are #defined by the launcher (raw_kernels/attention.py),
 // which owns them; the tile layout below must fit ATT_SMEM_BYTES (static_assert).
 #define ATT_D 576
 #define ATT_DV 512
@@ -51,7 +57,6 @@
 static_assert(ATT_SMEM_USED + 1024 == ATT_SMEM_BYTES,
               "the launcher's ATT_SMEM_BYTES must be the tile layout + 1024 bytes of "
               "alignment slack");
-static_assert(ATT_THREADS == 256, "two warpgroups");
 static_assert(ATT_MAX_SPLITS >= 1 && ATT_MAX_SPLITS <= 1024, "split-KV partials per row");
 #define ATT_NEG_INF (-__int_as_float(0x7f800000))
 #define ATT_LN2 0.693147180559945309f
@@ -123,6 +128,35 @@ __device__ __forceinline__ void att_wgmma_m64n32_kk(float (&d)[16], u64 da, u64 
 #endif
 }
 
+// The 128 fp32 accumulators of an m64n256 wgmma: the operand list of the instruction
+// (%0..%127) and the matching in-out constraints.
+#define ATT_ACC128_REGS \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define ATT_ACC128_OUT(d) \
+    "+f"((d)[0]), "+f"((d)[1]), "+f"((d)[2]), "+f"((d)[3]), "+f"((d)[4]), "+f"((d)[5]), "+f"((d)[6]), "+f"((d)[7]), \
+    "+f"((d)[8]), "+f"((d)[9]), "+f"((d)[10]), "+f"((d)[11]), "+f"((d)[12]), "+f"((d)[13]), "+f"((d)[14]), "+f"((d)[15]), \
+    "+f"((d)[16]), "+f"((d)[17]), "+f"((d)[18]), "+f"((d)[19]), "+f"((d)[20]), "+f"((d)[21]), "+f"((d)[22]), "+f"((d)[23]), \
+    "+f"((d)[24]), "+f"((d)[25]), "+f"((d)[26]), "+f"((d)[27]), "+f"((d)[28]), "+f"((d)[29]), "+f"((d)[30]), "+f"((d)[31]), \
+    "+f"((d)[32]), "+f"((d)[33]), "+f"((d)[34]), "+f"((d)[35]), "+f"((d)[36]), "+f"((d)[37]), "+f"((d)[38]), "+f"((d)[39]), \
+    "+f"((d)[40]), "+f"((d)[41]), "+f"((d)[42]), "+f"((d)[43]), "+f"((d)[44]), "+f"((d)[45]), "+f"((d)[46]), "+f"((d)[47]), \
+    "+f"((d)[48]), "+f"((d)[49]), "+f"((d)[50]), "+f"((d)[51]), "+f"((d)[52]), "+f"((d)[53]), "+f"((d)[54]), "+f"((d)[55]), \
+    "+f"((d)[56]), "+f"((d)[57]), "+f"((d)[58]), "+f"((d)[59]), "+f"((d)[60]), "+f"((d)[61]), "+f"((d)[62]), "+f"((d)[63]), \
+    "+f"((d)[64]), "+f"((d)[65]), "+f"((d)[66]), "+f"((d)[67]), "+f"((d)[68]), "+f"((d)[69]), "+f"((d)[70]), "+f"((d)[71]), \
+    "+f"((d)[72]), "+f"((d)[73]), "+f"((d)[74]), "+f"((d)[75]), "+f"((d)[76]), "+f"((d)[77]), "+f"((d)[78]), "+f"((d)[79]), \
+    "+f"((d)[80]), "+f"((d)[81]), "+f"((d)[82]), "+f"((d)[83]), "+f"((d)[84]), "+f"((d)[85]), "+f"((d)[86]), "+f"((d)[87]), \
+    "+f"((d)[88]), "+f"((d)[89]), "+f"((d)[90]), "+f"((d)[91]), "+f"((d)[92]), "+f"((d)[93]), "+f"((d)[94]), "+f"((d)[95]), \
+    "+f"((d)[96]), "+f"((d)[97]), "+f"((d)[98]), "+f"((d)[99]), "+f"((d)[100]), "+f"((d)[101]), "+f"((d)[102]), "+f"((d)[103]), \
+    "+f"((d)[104]), "+f"((d)[105]), "+f"((d)[106]), "+f"((d)[107]), "+f"((d)[108]), "+f"((d)[109]), "+f"((d)[110]), "+f"((d)[111]), \
+    "+f"((d)[112]), "+f"((d)[113]), "+f"((d)[114]), "+f"((d)[115]), "+f"((d)[116]), "+f"((d)[117]), "+f"((d)[118]), "+f"((d)[119]), \
+    "+f"((d)[120]), "+f"((d)[121]), "+f"((d)[122]), "+f"((d)[123]), "+f"((d)[124]), "+f"((d)[125]), "+f"((d)[126]), "+f"((d)[127])
+
 __device__ __forceinline__ void att_wgmma_m64n256_kmn(float (&d)[128], u64 da, u64 db, int accumulate) {
 #if CPS_HAS_WGMMA
     asm volatile(
@@ -130,33 +164,50 @@ __device__ __forceinline__ void att_wgmma_m64n256_kmn(float (&d)[128], u64 da, u
         "setp.ne.b32 p, %130, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
         "{"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        ATT_ACC128_REGS
         "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+        :
+        ATT_ACC128_OUT(d)
+        : "l"(da), "l"(db), "r"(accumulate));
+#else
+    CPS_WGMMA_MISSING();
+#endif
+}
+
+__device__ __forceinline__ void att_wgmma_m64n64_kk(float (&d)[32], u64 da, u64 db, int accumulate) {
+#if CPS_HAS_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
         :
           "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(da), "l"(db), "r"(accumulate));
+#else
+    CPS_WGMMA_MISSING();
+#endif
+}
+
+__device__ __forceinline__ void att_wgmma_m64n256_rmn(float (&d)[128], const u32 (&a)[4], u64 db,
+                                                      int accumulate) {
+#if CPS_HAS_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{"
+        ATT_ACC128_REGS
+        "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+        :
+        ATT_ACC128_OUT(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 #else
     CPS_WGMMA_MISSING();
 #endif
@@ -194,33 +245,11 @@ __device__ __forceinline__ int att_slot(const int* __restrict__ irow, int rbase,
     return att_slot_ok(slot, num_slots) ? slot : -1;
 }
 
-// Gather one tile of dense bf16 rows (16-byte cp.async, zero-fill when masked).
-// Thread (row = tid / 4, sub = tid % 4) copies chunks sub, sub + 4, ... of its row.
-__device__ __forceinline__ bool att_gather_rows(u32 sk, u32 valid,
-                                                const u8* __restrict__ kv,
-                                                const int* __restrict__ irow, int rbase,
-                                                int nk, int num_slots, int tile, int grow,
-                                                int gsub) {
-    const int slot = att_slot(irow, rbase, nk, tile * 64 + grow, num_slots);
-    const bool v = slot >= 0;
-    const u8* src = kv + (v ? (size_t)slot * ATT_ROW_BYTES : (size_t)0);
-    const u32 dst = sk + grow * 128;
-    const int sw = grow & 7;
-#pragma unroll
-    for (int j = 0; j < 18; ++j) {
-        const int cc = gsub + 4 * (j & 1);                 // chunk within the 64-dim block
-        cps_cp_async16(dst + (j >> 1) * ATT_BLK + ((cc ^ sw) << 4),
-                       src + (size_t)(gsub + 4 * j) * 16, v);
-    }
-    att_st_s32(valid + 4 * grow, v);            // the row's 4 threads agree
-    return v;
-}
-
-// ---- warp specialization (the fp8 kernel) ---------------------------------------------
-// The fp8 kernel runs three warpgroups: two math warpgroups (threads 0..255: QK^T,
-// softmax, PV, exactly as the bf16 kernel's 256 threads) and one producer warpgroup
-// (threads 256..383) that reads the records, dequantizes them into the two K buffers
-// and hands each over through named barriers, so dequantization overlaps the MMAs.
+// ---- warp specialization (the fp8 and MODEL1 kernels) ----------------------------------
+// Three warpgroups: two math warpgroups (threads 0..255: QK^T, softmax, PV, att_consume)
+// and one producer warpgroup (threads 256..383) that reads the records, dequantizes them
+// into the two K buffers and hands each over through named barriers, so dequantization
+// overlaps the MMAs.
 // Barrier 0 (__syncthreads) is never used after the roles split:
 //   ATT_BAR_MATH       the 256 math threads (row max / sum exchange, Q ready);
 //   ATT_BAR_FULL + b   K buffer b stored (producer arrives, math threads wait);
@@ -438,31 +467,51 @@ __device__ __forceinline__ AttShare att_share(const int* __restrict__ indices, i
 }
 
 // Q rows of this CTA -> bf16 shared [64 x D] (rows past nh zero), by the 256 math
-// threads; the caller fences and syncs them before the first QK^T.
+// threads; the caller fences and syncs them before the first QK^T. The loads of a
+// group (half the thread's chunks) are all issued before any store: a shared store is
+// an asm with a memory clobber, which no global load may pass, so loads interleaved
+// with stores would wait for each other one round trip at a time.
 template <int D>
 __device__ __forceinline__ void att_load_q(const void* __restrict__ q, int q_half,
                                            const AttShare& w, int H, u32 sq, int tid) {
     constexpr int CHUNKS = D / 8;                  // 16-byte bf16 chunks of a row
-#pragma unroll 3
-    for (int i = tid; i < 64 * CHUNKS; i += ATT_MATH_THREADS) {
-        const int r = i / CHUNKS, c = i - r * CHUNKS;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (r < w.nh) {
-            const size_t off = ((size_t)w.tok * H + w.h0 + r) * D + (size_t)c * 8;
-            if (q_half) {
-                const uint4 h = __ldg(reinterpret_cast<const uint4*>(
-                    reinterpret_cast<const u16*>(q) + off));
-                v = make_uint4(att_f16x2_to_bf16x2(h.x), att_f16x2_to_bf16x2(h.y),
-                               att_f16x2_to_bf16x2(h.z), att_f16x2_to_bf16x2(h.w));
-            } else {
-                const float4* p = reinterpret_cast<const float4*>(
-                    reinterpret_cast<const float*>(q) + off);
-                const float4 a = __ldg(p), b = __ldg(p + 1);
-                v = make_uint4(att_pack_bf16(a.x, a.y), att_pack_bf16(a.z, a.w),
-                               att_pack_bf16(b.x, b.y), att_pack_bf16(b.z, b.w));
+    constexpr int ITERS = 64 * CHUNKS / ATT_MATH_THREADS;
+    constexpr int GROUP = ITERS / 2;
+    static_assert(64 * CHUNKS % ATT_MATH_THREADS == 0 && ITERS % 2 == 0, "Q chunks per thread");
+#pragma unroll
+    for (int g0 = 0; g0 < ITERS; g0 += GROUP) {
+        uint4 lo[GROUP], hi[GROUP];                // fp16: lo; fp32: lo, hi (8 floats)
+#pragma unroll
+        for (int k = 0; k < GROUP; ++k) {
+            const int i = tid + (g0 + k) * ATT_MATH_THREADS;
+            const int r = i / CHUNKS, c = i - r * CHUNKS;
+            lo[k] = hi[k] = make_uint4(0u, 0u, 0u, 0u);
+            if (r < w.nh) {
+                const size_t off = ((size_t)w.tok * H + w.h0 + r) * D + (size_t)c * 8;
+                if (q_half) {
+                    lo[k] = __ldg(reinterpret_cast<const uint4*>(
+                        reinterpret_cast<const u16*>(q) + off));
+                } else {
+                    const uint4* p = reinterpret_cast<const uint4*>(
+                        reinterpret_cast<const float*>(q) + off);
+                    lo[k] = __ldg(p);
+                    hi[k] = __ldg(p + 1);
+                }
             }
         }
-        att_st_v4(sq + (c >> 3) * ATT_BLK + r * 128 + (((c & 7) ^ (r & 7)) << 4), v);
+#pragma unroll
+        for (int k = 0; k < GROUP; ++k) {
+            const int i = tid + (g0 + k) * ATT_MATH_THREADS;
+            const int r = i / CHUNKS, c = i - r * CHUNKS;
+            const uint4 v = q_half
+                ? make_uint4(att_f16x2_to_bf16x2(lo[k].x), att_f16x2_to_bf16x2(lo[k].y),
+                             att_f16x2_to_bf16x2(lo[k].z), att_f16x2_to_bf16x2(lo[k].w))
+                : make_uint4(att_pack_bf16(__uint_as_float(lo[k].x), __uint_as_float(lo[k].y)),
+                             att_pack_bf16(__uint_as_float(lo[k].z), __uint_as_float(lo[k].w)),
+                             att_pack_bf16(__uint_as_float(hi[k].x), __uint_as_float(hi[k].y)),
+                             att_pack_bf16(__uint_as_float(hi[k].z), __uint_as_float(hi[k].w)));
+            att_st_v4(sq + (c >> 3) * ATT_BLK + r * 128 + (((c & 7) ^ (r & 7)) << 4), v);
+        }
     }
 }
 
@@ -472,6 +521,14 @@ struct AttRows {
     float o[128];
     float m0, m1, l0, l1;
 };
+
+// The row maxima over the 4 threads of a quad (lanes 4g..4g+3 hold one row's columns).
+__device__ __forceinline__ void att_quad_max(float& mx0, float& mx1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+}
 
 // One key tile after S = Q K^T of it is in s (valid flags at vld): mask, online
 // softmax in base 2 (row max shared between the warpgroups through s_max, P through
@@ -492,10 +549,7 @@ __device__ __forceinline__ void att_softmax_pv(float (&s)[16], AttRows& st, u32 
         mx0 = fmaxf(mx0, fmaxf(s[4 * j + 0], s[4 * j + 1]));
         mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
     }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    att_quad_max(mx0, mx1);
     if (t4 == 0) {
         att_st_f32(s_max + 4 * (wg * 64 + r0), mx0);
         att_st_f32(s_max + 4 * (wg * 64 + r1), mx1);
@@ -629,52 +683,6 @@ __device__ __forceinline__ void att_rows_init(AttRows& st) {
         float* __restrict__ out, float* __restrict__ lse, int H, int d_v, float scale_log2, \
         int splits, float* __restrict__ part_out
 
-// Dense bf16 rows (the workspace of the dense and sparse routes): 256 threads, each
-// gathering a quarter row of the next tile by cp.async while the current one is used.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) cps_sparse_mla_bf16(ATT_PARAMS) {
-    extern __shared__ __align__(1024) u8 att_smem_raw[];
-    const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
-    const u32 sq = base + ATT_OFF_Q, sp = base + ATT_OFF_P;
-    const u32 s_max = base + ATT_OFF_MAX, s_valid = base + ATT_OFF_VALID;
-    const int tid = threadIdx.x;
-    const int lane = tid & 31, warp = tid >> 5;
-    const int wg = warp >> 2, wi = warp & 3;
-    const int g = lane >> 2, t4 = lane & 3;
-    const int grow = tid >> 2, gsub = tid & 3;
-    const int r0 = wi * 16 + g, r1 = r0 + 8;
-    const AttShare w = att_share(indices, topk, row_start, row_len, H, splits);
-
-    bool v_next = false;
-    if (w.t_first < w.t_end) {
-        v_next = att_gather_rows(base + ATT_OFF_K, s_valid, kv, w.irow, w.rbase, w.nk_end,
-                                 num_slots, w.t_first, grow, gsub);
-        cps_cp_async_commit();
-    }
-    att_load_q<ATT_D>(q, q_half, w, H, sq, tid);
-    AttRows st;
-    att_rows_init(st);
-    for (int it = w.t_first; it < w.t_end; ++it) {
-        const int buf = (it - w.t_first) & 1;
-        const u32 sk = base + ATT_OFF_K + buf * ATT_TILE;
-        cps_cp_async_wait_all();
-        cps_fence_proxy_async();
-        const int any = att_bar_or(ATT_BAR_MATH, ATT_MATH_THREADS, v_next);
-        if (it + 1 < w.t_end) {
-            v_next = att_gather_rows(base + ATT_OFF_K + (buf ^ 1) * ATT_TILE,
-                                     s_valid + (buf ^ 1) * 256, kv, w.irow, w.rbase, w.nk_end,
-                                     num_slots, it + 1, grow, gsub);
-            cps_cp_async_commit();
-        }
-        if (!any) continue;                       // every key of this tile is masked
-        float s[16];
-        att_qk_wgmma<36>(s, sq, sk, wg);
-        cps_wgmma_wait<0>();
-        cps_fence_regs(s);
-        att_softmax_pv(s, st, s_valid + buf * 256, s_max, sp, sk, scale_log2, wg, r0, r1, g, t4);
-    }
-    att_write_rows(st, w, s_max, out, lse, part_out, H, d_v, splits, wg, r0, r1, t4);
-}
-
 // The math warpgroups of the warp-specialized kernels (threads 0..255): Q (D wide) to
 // shared memory, then for each tile the producer filled: QK^T over D / 16 k-steps,
 // softmax, PV; then the rows (scaled by the sink, if any).
@@ -735,6 +743,432 @@ extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_f
     }
     att_consume<ATT_D>(q, q_half, w, H, base, scale_log2, out, lse, part_out, d_v, splits,
                        nullptr, tid);
+}
+
+
+// ---- the ping-pong kernel (dense bf16 rows: prefill) ----------------------------------
+// FlashMLA's sparse-prefill schedule. A producer warpgroup gathers the rows of two tiles
+// at a time (a pair: tile 2p into K buffer 0, 2p + 1 into buffer 1) by 16-byte cp.async,
+// each buffer in two halves (L = blocks 0..3, the value columns 0..255; R = blocks 4..8);
+// math warpgroup w owns buffer w: S = Q K^T over its whole tile by wgmma m64n64k16 (one
+// product per warpgroup and pair instead of two m64n32 halves: Q is read from shared
+// memory once per 64 keys, not per 32), its softmax, and O[:, 256w..] += P V for both
+// tiles of the pair: its own P straight from registers (wgmma with A in registers), the
+// other warpgroup's P through shared memory. The row max runs as a chain: warpgroup 0
+// takes the max with its tile and hands it over (s_max), warpgroup 1 takes the max with
+// its tile and hands the pair's max back, warpgroup 0 rescales its P and O to it. So
+// warpgroup 1's QK^T overlaps warpgroup 0's softmax, and warpgroup 0 issues the next
+// pair's QK^T while its P V products run.
+//   FULL[b][h] (mbarriers, 128 producer arrivals by cp.async completion): half h of
+//     buffer b holds the pair's rows; VALID[p & 1]: the pair's key masks are written
+//     (one 64-bit mask a tile, bit r = row r valid; double buffered by pair parity, so
+//     warpgroup 0 can read the next pair's while warpgroup 1 still reads this one's).
+//   ATT_PP_BAR_EMPTY + 2b + h (named, producer syncs): the warpgroup that reads half h
+//     of buffer b last is done with it: L0 and L1 warpgroup 0, R0 and R1 warpgroup 1.
+//   M0 / M1 / S0 / S1 (named, between the math warpgroups): a row max or a P handed over.
+// A pair with no valid key at all (the -1 padding of short rows) is skipped by all three
+// warpgroups (the producer copies nothing, the barriers keep their rhythm). Masked keys
+// are zero-filled (P = 0 times finite values) and get S = -inf; the running max starts at
+// -1e30, not -inf, so an all-masked tile gives exp2(-inf) = 0, never -inf - -inf.
+#define ATT_PP_BAR_EMPTY 2          // + 2 * buffer + half
+#define ATT_PP_BAR_M0 6
+#define ATT_PP_BAR_M1 7
+#define ATT_PP_BAR_S0 8
+#define ATT_PP_BAR_S1 9
+#define ATT_PP_BAR_PRODUCER 10      // the producer warpgroup alone
+#define ATT_PP_OFF_S0 (ATT_OFF_K + 8 * ATT_BLK)   // K0's RoPE block, free after the QK^T
+#define ATT_PP_OFF_S1 ATT_OFF_P
+#define ATT_PP_OFF_MBAR (ATT_OFF_MAX + 256)       // FULL[2][2], VALID[2] (8 bytes each)
+#define ATT_PP_OFF_MASKS ATT_OFF_VALID            // u64 [pair & 1][buffer]
+#define ATT_PP_MAX_INIT (-1e30f)
+#define ATT_PP_PRODUCER_REGS 72
+#define ATT_PP_MATH_REGS 216
+static_assert(128 * ATT_PP_PRODUCER_REGS + 256 * ATT_PP_MATH_REGS <=
+                  ATT_WS_THREADS * ATT_LAUNCH_REGS,
+              "setmaxnreg split exceeds the CTA's register pool");
+static_assert(ATT_PP_OFF_MBAR + 48 <= ATT_OFF_L && ATT_PP_OFF_MASKS + 32 <= ATT_SMEM_USED,
+              "ping-pong barriers and masks fit the row-max and validity areas");
+
+__device__ __forceinline__ void att_st_u16(u32 addr, u32 v) {
+    asm volatile("st.shared.u16 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint2 att_ld_v2(u32 addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+    return v;
+}
+
+// Whether the pair at `masks` (two 64-bit tile masks) has any valid key.
+__device__ __forceinline__ int att_pp_any(u32 masks) {
+    const uint2 a = att_ld_v2(masks), b = att_ld_v2(masks + 8);
+    return (a.x | a.y | b.x | b.y) != 0u;
+}
+
+template <int N>
+__device__ __forceinline__ void att_fence_u32(u32 (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
+}
+
+// Producer rows: warp pw owns rows 16 pw..16 pw+15 of each tile, row 16 pw + 4 r + lane / 8
+// in step r; thread sub = lane % 8 of the row's 8 copies 16 bytes of each 128-byte block
+// row (a warp instruction: 4 rows x 128 bytes).
+__device__ __forceinline__ int att_pp_row(int pt, int r) {
+    return 16 * (pt >> 5) + 4 * r + ((pt >> 3) & 3);
+}
+
+// This warp's 16 bits of a tile mask (bit 4 r + i: row 16 pw + 4 r + i valid), from the
+// slots of its four steps (the 8 lanes of a row agree: lanes 0, 8, 16, 24 speak for them).
+__device__ __forceinline__ u32 att_pp_warp_mask(const int (&slot)[4]) {
+    u32 m = 0;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const u32 b = __ballot_sync(0xffffffffu, slot[r] >= 0);
+        m |= ((b & 1u) | ((b >> 7) & 2u) | ((b >> 14) & 4u) | ((b >> 21) & 8u)) << (4 * r);
+    }
+    return m;
+}
+
+// Blocks [B0, B1) of the producer thread's four rows of one tile.
+template <int B0, int B1>
+__device__ __forceinline__ void att_pp_copy(u32 sk, const u8* __restrict__ kv,
+                                            const int (&slot)[4], int pt, int sub) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int row = att_pp_row(pt, r);
+        const bool v = slot[r] >= 0;
+        const u8* src = kv + (v ? (size_t)slot[r] * ATT_ROW_BYTES : (size_t)0) + sub * 16;
+        const u32 dst = sk + row * 128 + ((sub ^ (row & 7)) << 4);
+#pragma unroll
+        for (int b = B0; b < B1; ++b) cps_cp_async16(dst + b * ATT_BLK, src + b * 128, v);
+    }
+}
+
+// The producer warpgroup (pt = thread 0..127 of it).
+__device__ __forceinline__ void att_produce_bf16(const u8* __restrict__ kv, const AttShare& w,
+                                                 int num_slots, u32 base, int pt) {
+    const int sub = pt & 7;
+    const u32 k0 = base + ATT_OFF_K, k1 = k0 + ATT_TILE;
+    const u32 mbar = base + ATT_PP_OFF_MBAR, masks = base + ATT_PP_OFF_MASKS;
+    const int pairs = (w.t_end - w.t_first + 1) >> 1;
+    for (int p = 0; p < pairs; ++p) {
+        const int t0 = w.t_first + 2 * p, par = p & 1;
+        int s0[4], s1[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int row = att_pp_row(pt, r);
+            s0[r] = att_slot(w.irow, w.rbase, w.nk_end, t0 * 64 + row, num_slots);
+            s1[r] = att_slot(w.irow, w.rbase, w.nk_end, t0 * 64 + 64 + row, num_slots);
+        }
+        const u32 m0 = att_pp_warp_mask(s0), m1 = att_pp_warp_mask(s1);
+        if ((pt & 31) == 0) {
+            att_st_u16(masks + par * 16 + 2 * (pt >> 5), m0);
+            att_st_u16(masks + par * 16 + 8 + 2 * (pt >> 5), m1);
+        }
+        const int any = att_bar_or(ATT_PP_BAR_PRODUCER, 128, (m0 | m1) != 0u);
+        cps_mbar_arrive(mbar + 32 + 8 * par);
+        // In the order the math warpgroups free the halves: L0, R1, R0, L1.
+        if (p > 0) att_bar_sync(ATT_PP_BAR_EMPTY + 0, 256);
+        if (any) att_pp_copy<0, 4>(k0, kv, s0, pt, sub);
+        cps_mbar_arrive_cp_async(mbar + 0);
+        if (p > 0) att_bar_sync(ATT_PP_BAR_EMPTY + 3, 256);
+        if (any) att_pp_copy<4, ATT_D / 64>(k1, kv, s1, pt, sub);
+        cps_mbar_arrive_cp_async(mbar + 24);
+        if (p > 0) att_bar_sync(ATT_PP_BAR_EMPTY + 1, 256);
+        if (any) att_pp_copy<4, ATT_D / 64>(k0, kv, s0, pt, sub);
+        cps_mbar_arrive_cp_async(mbar + 8);
+        if (p > 0) att_bar_sync(ATT_PP_BAR_EMPTY + 2, 256);
+        if (any) att_pp_copy<0, 4>(k1, kv, s1, pt, sub);
+        cps_mbar_arrive_cp_async(mbar + 16);
+    }
+    cps_cp_async_wait_all();
+}
+
+// S (+)= Q K^T over blocks [B0, B1) of the tile at sk (all 64 keys), issued, not
+// committed; FIRST starts the sum.
+template <int B0, int B1, bool FIRST>
+__device__ __forceinline__ void att_pp_qk(float (&s)[32], u32 sq, u32 sk) {
+    cps_wgmma_fence();
+#pragma unroll
+    for (int b = B0; b < B1; ++b) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const u32 off = b * ATT_BLK + kk * 32;
+            att_wgmma_m64n64_kk(s, cps_wgmma_desc(sq + off, 16, 1024),
+                                cps_wgmma_desc(sk + off, 16, 1024),
+                                !(FIRST && b == B0 && kk == 0));
+        }
+    }
+}
+
+// Mask S of the tile (its 64-bit key mask at mask), the row max with m_in (the running max this
+// warpgroup continues from), O rescaled to it, P = exp2(S scale - max) in s (fp32) and
+// pk (bf16 pairs, the A fragment of wgmma), l; the new max to st.m and s_max.
+__device__ __forceinline__ void att_pp_softmax(float (&s)[32], u32 (&pk)[16], AttRows& st,
+                                               float m_in0, float m_in1, u32 mask, u32 s_max,
+                                               float scale_log2, int r0, int r1, int t4) {
+    // Keys 8 j + 2 t4 and + 1 of this thread: bits 8 (j % 4) and + 1 of word j / 4,
+    // shifted by 2 t4 once.
+    const uint2 mw = att_ld_v2(mask);
+    const u32 lo = mw.x >> (2 * t4), hi = mw.y >> (2 * t4);
+    float mx0 = ATT_NEG_INF, mx1 = ATT_NEG_INF;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const u32 word = j < 4 ? lo : hi;
+        const bool va = (word >> (8 * (j & 3))) & 1u, vb = (word >> (8 * (j & 3) + 1)) & 1u;
+        s[4 * j + 0] = va ? s[4 * j + 0] : ATT_NEG_INF;
+        s[4 * j + 1] = vb ? s[4 * j + 1] : ATT_NEG_INF;
+        s[4 * j + 2] = va ? s[4 * j + 2] : ATT_NEG_INF;
+        s[4 * j + 3] = vb ? s[4 * j + 3] : ATT_NEG_INF;
+        mx0 = fmaxf(mx0, fmaxf(s[4 * j + 0], s[4 * j + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    att_quad_max(mx0, mx1);
+    const float n0 = fmaxf(m_in0, mx0 * scale_log2), n1 = fmaxf(m_in1, mx1 * scale_log2);
+    const float so0 = att_ex2(st.m0 - n0), so1 = att_ex2(st.m1 - n1);
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+        st.o[4 * n + 0] *= so0;
+        st.o[4 * n + 1] *= so0;
+        st.o[4 * n + 2] *= so1;
+        st.o[4 * n + 3] *= so1;
+    }
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        s[4 * j + 0] = att_ex2(s[4 * j + 0] * scale_log2 - n0);
+        s[4 * j + 1] = att_ex2(s[4 * j + 1] * scale_log2 - n0);
+        s[4 * j + 2] = att_ex2(s[4 * j + 2] * scale_log2 - n1);
+        s[4 * j + 3] = att_ex2(s[4 * j + 3] * scale_log2 - n1);
+        ps0 += s[4 * j + 0] + s[4 * j + 1];
+        ps1 += s[4 * j + 2] + s[4 * j + 3];
+        pk[2 * j] = att_pack_bf16(s[4 * j + 0], s[4 * j + 1]);
+        pk[2 * j + 1] = att_pack_bf16(s[4 * j + 2], s[4 * j + 3]);
+    }
+    st.l0 = st.l0 * so0 + ps0;
+    st.l1 = st.l1 * so1 + ps1;
+    st.m0 = n0;
+    st.m1 = n1;
+    if (t4 == 0) {
+        att_st_f32(s_max + 4 * r0, n0);
+        att_st_f32(s_max + 4 * r1, n1);
+    }
+}
+
+// O[:, 256 half..] += P V over the tile at sk: P from registers (pk), committed.
+__device__ __forceinline__ void att_pp_pv_regs(float (&o)[128], const u32 (&pk)[16], u32 sk,
+                                               int half) {
+    cps_wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        const u32 a[4] = {pk[4 * ks], pk[4 * ks + 1], pk[4 * ks + 2], pk[4 * ks + 3]};
+        att_wgmma_m64n256_rmn(o, a, cps_wgmma_desc(sk + half * 4 * ATT_BLK + ks * 2048,
+                                                   ATT_BLK, 1024), 1);
+    }
+    cps_wgmma_commit();
+}
+
+// The same with P from shared memory at sp (the other warpgroup's), committed.
+__device__ __forceinline__ void att_pp_pv_smem(float (&o)[128], u32 sp, u32 sk, int half) {
+    cps_wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        att_wgmma_m64n256_kmn(o, cps_wgmma_desc(sp + ks * 32, 16, 1024),
+                              cps_wgmma_desc(sk + half * 4 * ATT_BLK + ks * 2048, ATT_BLK, 1024),
+                              1);
+    }
+    cps_wgmma_commit();
+}
+
+// bf16 P [64 heads x 64 keys] -> the K-major swizzled tile at sp.
+__device__ __forceinline__ void att_pp_store_p(u32 sp, const u32 (&pk)[16], int r0, int r1,
+                                               int g, int t4) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        att_st_b32(sp + r0 * 128 + ((j ^ g) << 4) + 4 * t4, pk[2 * j]);
+        att_st_b32(sp + r1 * 128 + ((j ^ g) << 4) + 4 * t4, pk[2 * j + 1]);
+    }
+}
+
+// The math warpgroups of the ping-pong kernel (threads 0..255).
+template <int D>
+__device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q_half,
+                                               const AttShare& w, int H, u32 base,
+                                               float scale_log2, float* __restrict__ out,
+                                               float* __restrict__ lse,
+                                               float* __restrict__ part_out, int d_v,
+                                               int splits, const float* __restrict__ sink,
+                                               int tid) {
+    constexpr int NB = D / 64;                     // QK^T blocks of a row
+    att_setmaxnreg_inc<ATT_PP_MATH_REGS>();
+    const int lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wi = warp & 3;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int r0 = wi * 16 + g, r1 = r0 + 8;
+    const u32 sq = base + ATT_OFF_Q, s_max = base + ATT_OFF_MAX;
+    const u32 k0 = base + ATT_OFF_K, k1 = k0 + ATT_TILE;
+    const u32 sS0 = base + ATT_PP_OFF_S0, sS1 = base + ATT_PP_OFF_S1;
+    const u32 mbar = base + ATT_PP_OFF_MBAR, masks = base + ATT_PP_OFF_MASKS;
+    att_load_q<D>(q, q_half, w, H, sq, tid);
+    cps_fence_proxy_async();
+    att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);
+    AttRows st;
+    att_rows_init(st);
+    st.m0 = ATT_PP_MAX_INIT;
+    st.m1 = ATT_PP_MAX_INIT;
+    float s[32];
+    u32 pk[16];
+    const int pairs = (w.t_end - w.t_first + 1) >> 1;
+    if (wg == 0) {
+        bool ready = false;                        // S of this pair's tile 0 is in s
+        for (int p = 0; p < pairs; ++p) {
+            const int par = p & 1;
+            const bool more = p + 1 < pairs;
+            if (!ready) {
+                cps_mbar_wait(mbar + 32 + 8 * par, (p >> 1) & 1);
+                const int any = att_pp_any(masks + par * 16);
+                cps_mbar_wait(mbar + 0, par);
+                if (any) att_pp_qk<0, 4, true>(s, sq, k0);
+                cps_mbar_wait(mbar + 8, par);
+                if (!any) {
+                    if (more) {
+                        att_bar_arrive(ATT_PP_BAR_EMPTY + 0, 256);
+                        att_bar_arrive(ATT_PP_BAR_EMPTY + 2, 256);
+                    }
+                    continue;
+                }
+                att_pp_qk<4, NB, false>(s, sq, k0);
+                cps_wgmma_commit();
+                cps_wgmma_wait<0>();
+                cps_fence_regs(s);
+            }
+            ready = false;
+            att_pp_softmax(s, pk, st, st.m0, st.m1, masks + par * 16, s_max, scale_log2, r0,
+                           r1, t4);
+            att_bar_arrive(ATT_PP_BAR_M0, 256);
+            att_pp_pv_regs(st.o, pk, k0, 0);
+            cps_wgmma_wait<0>();
+            cps_fence_regs(st.o);
+            att_fence_u32(pk);
+            if (more) att_bar_arrive(ATT_PP_BAR_EMPTY + 0, 256);
+            // The pair's max from warpgroup 1: P of tile 0 and O rescaled to it.
+            att_bar_sync(ATT_PP_BAR_M1, 256);
+            const float n0 = att_ld_f32(s_max + 4 * r0), n1 = att_ld_f32(s_max + 4 * r1);
+            const float f0 = att_ex2(st.m0 - n0), f1 = att_ex2(st.m1 - n1);
+            st.m0 = n0;
+            st.m1 = n1;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                pk[2 * j] = att_pack_bf16(s[4 * j + 0] * f0, s[4 * j + 1] * f0);
+                pk[2 * j + 1] = att_pack_bf16(s[4 * j + 2] * f1, s[4 * j + 3] * f1);
+            }
+            att_pp_store_p(sS0, pk, r0, r1, g, t4);
+            cps_fence_proxy_async();
+            att_bar_arrive(ATT_PP_BAR_S0, 256);
+#pragma unroll
+            for (int n = 0; n < 32; ++n) {
+                st.o[4 * n + 0] *= f0;
+                st.o[4 * n + 1] *= f0;
+                st.o[4 * n + 2] *= f1;
+                st.o[4 * n + 3] *= f1;
+            }
+            st.l0 *= f0;
+            st.l1 *= f1;
+            att_bar_sync(ATT_PP_BAR_S1, 256);
+            att_pp_pv_smem(st.o, sS1, k1, 0);
+            if (more) {
+                // The next pair's QK^T while P V of tile 1 runs.
+                const int nxt = par ^ 1;
+                cps_mbar_wait(mbar + 32 + 8 * nxt, ((p + 1) >> 1) & 1);
+                const int any = att_pp_any(masks + nxt * 16);
+                if (any) {
+                    cps_mbar_wait(mbar + 0, nxt);
+                    att_pp_qk<0, 4, true>(s, sq, k0);
+                    cps_wgmma_commit();
+                    cps_wgmma_wait<1>();
+                    cps_fence_regs(st.o);
+                    att_bar_arrive(ATT_PP_BAR_EMPTY + 2, 256);
+                    cps_mbar_wait(mbar + 8, nxt);
+                    att_pp_qk<4, NB, false>(s, sq, k0);
+                    cps_wgmma_commit();
+                    cps_wgmma_wait<0>();
+                    cps_fence_regs(s);
+                    ready = true;
+                } else {
+                    cps_wgmma_wait<0>();
+                    cps_fence_regs(st.o);
+                    att_bar_arrive(ATT_PP_BAR_EMPTY + 2, 256);
+                }
+            } else {
+                cps_wgmma_wait<0>();
+                cps_fence_regs(st.o);
+            }
+        }
+    } else {
+        for (int p = 0; p < pairs; ++p) {
+            const int par = p & 1;
+            const bool more = p + 1 < pairs;
+            cps_mbar_wait(mbar + 32 + 8 * par, (p >> 1) & 1);
+            const int any = att_pp_any(masks + par * 16);
+            cps_mbar_wait(mbar + 24, par);
+            if (any) att_pp_qk<4, NB, true>(s, sq, k1);
+            cps_mbar_wait(mbar + 16, par);
+            if (!any) {
+                if (more) {
+                    att_bar_arrive(ATT_PP_BAR_EMPTY + 3, 256);
+                    att_bar_arrive(ATT_PP_BAR_EMPTY + 1, 256);
+                }
+                continue;
+            }
+            att_pp_qk<0, 4, false>(s, sq, k1);
+            cps_wgmma_commit();
+            cps_wgmma_wait<0>();
+            cps_fence_regs(s);
+            // Continue from warpgroup 0's max of this pair.
+            att_bar_sync(ATT_PP_BAR_M0, 256);
+            const float m0 = att_ld_f32(s_max + 4 * r0), m1 = att_ld_f32(s_max + 4 * r1);
+            att_pp_softmax(s, pk, st, m0, m1, masks + par * 16 + 8, s_max, scale_log2, r0, r1,
+                           t4);
+            att_bar_arrive(ATT_PP_BAR_M1, 256);
+            att_pp_pv_regs(st.o, pk, k1, 1);
+            att_pp_store_p(sS1, pk, r0, r1, g, t4);
+            att_bar_sync(ATT_PP_BAR_S0, 256);
+            att_pp_pv_smem(st.o, sS0, k0, 1);
+            cps_fence_proxy_async();
+            att_bar_arrive(ATT_PP_BAR_S1, 256);
+            cps_wgmma_wait<1>();
+            att_fence_u32(pk);
+            if (more) att_bar_arrive(ATT_PP_BAR_EMPTY + 3, 256);
+            cps_wgmma_wait<0>();
+            cps_fence_regs(st.o);
+            if (more) att_bar_arrive(ATT_PP_BAR_EMPTY + 1, 256);
+        }
+    }
+    att_write_rows(st, w, base + ATT_OFF_L, out, lse, part_out, H, d_v, splits, wg, r0, r1, t4,
+                   sink);
+}
+
+// Dense bf16 rows (the workspace of the dense and sparse routes), ping-pong schedule.
+extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_bf16(ATT_PARAMS) {
+    extern __shared__ __align__(1024) u8 att_smem_raw[];
+    const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    const AttShare w = att_share(indices, topk, row_start, row_len, H, splits);
+    if (tid == 0) {
+        const u32 mbar = base + ATT_PP_OFF_MBAR;
+#pragma unroll
+        for (int i = 0; i < 6; ++i) cps_mbar_init(mbar + 8 * i, 128);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (tid >= ATT_MATH_THREADS) {
+        att_setmaxnreg_dec<ATT_PP_PRODUCER_REGS>();
+        att_produce_bf16(kv, w, num_slots, base, tid - ATT_MATH_THREADS);
+        return;
+    }
+    att_consume_pp<ATT_D>(q, q_half, w, H, base, scale_log2, out, lse, part_out, d_v, splits,
+                          nullptr, tid);
 }
 
 

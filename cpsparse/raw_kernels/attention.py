@@ -40,10 +40,10 @@ D_QK = 576
 D_V_MAX = 512
 RECORD_BYTES = 656              # fp8_ds_mla: 512 codes + 4 float32 scales + 64 bf16
 HEADS_PER_CTA = 64
-THREADS = 256                   # ATT_THREADS: the bf16 kernel, combine, conversions
-# The fp8 kernel (ATT_WS_THREADS): two math warpgroups and one producer warpgroup that
-# reads and dequantizes the records (attention.cu, "warp specialization").
-FP8_THREADS = 384
+THREADS = 256                   # the grid-stride kernels (conversions, slot mapping)
+# The attention kernels (ATT_WS_THREADS): two math warpgroups and one producer warpgroup
+# that fills the K tiles (gathers bf16 rows, or reads and dequantizes fp8 records).
+WS_THREADS = 384
 # Dynamic shared memory of a CTA (ATT_SMEM_BYTES): the tiles attention.cu lays out
 # (Q, two K tiles, P, row max / sum, key validity: 230912 bytes, checked there by a
 # static_assert) plus 1024 bytes to align them to the 1024-byte swizzle atoms.
@@ -59,7 +59,7 @@ raw_kernels.register_module(
     "attention", ["common.cuh", "hopper.cuh", "attention.cu"], capabilities=raw_kernels.exactly((9, 0)),
     ops=("sparse_mla_attention", "dense_mla_attention", "local_to_global_slots"),
     needs="Hopper wgmma, compiled for sm_90a",
-    defines=dict(ATT_THREADS=THREADS, ATT_WS_THREADS=FP8_THREADS, ATT_SMEM_BYTES=SMEM_BYTES, ATT_MAX_SPLITS=MAX_SPLITS))
+    defines=dict(ATT_WS_THREADS=WS_THREADS, ATT_SMEM_BYTES=SMEM_BYTES, ATT_MAX_SPLITS=MAX_SPLITS))
 
 # C parameter lists (raw_kernels.Kernel letters).
 # cps_sparse_mla_*: q, q_half, kv, indices, topk, num_slots, row_start, row_len, out, lse,
@@ -175,7 +175,7 @@ def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_sc
         kv = cp.zeros((1,) + kv.shape[1:], dtype=kv.dtype)   # the pointer valid
     kv = _aligned(cp, kv)
     part = _partials(cp, tokens, heads, splits, d_v)
-    fn((units * splits,), (FP8_THREADS if fp8 else THREADS,),
+    fn((units * splits,), (WS_THREADS,),
        (qq, q_half, kv, indices, topk, num_slots, row_start, row_len, out, lse, heads, d_v,
         scale_log2, splits, part), shared_mem=SMEM_BYTES)
     _combine(cp, combine, part, out, lse, None, splits, d_v, heads)
@@ -256,7 +256,7 @@ def sparse_mla_attention_model1(cp, q, caches, sm_scale, d_v, attn_sink=None, sp
     sink = None if attn_sink is None else cp.ascontiguousarray(attn_sink, dtype=cp.float32)
     part = _partials(cp, tokens, heads, splits, d_v)
     (ka, ia, la, topk_a, bs_a, st_a, n_a), (kb, ib, lb, topk_b, bs_b, st_b, n_b) = lists
-    fn((units * splits,), (FP8_THREADS,),
+    fn((units * splits,), (WS_THREADS,),
        (qq, q_half, ka, ia, la, topk_a, bs_a, st_a, n_a, kb, ib, lb, topk_b, bs_b, st_b, n_b,
         sink, out, lse, heads, d_v, scale_log2, splits, part), shared_mem=SMEM_BYTES)
     _combine(cp, combine, part, out, lse, sink, splits, d_v, heads)

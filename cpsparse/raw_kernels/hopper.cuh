@@ -104,3 +104,28 @@ __device__ __forceinline__ void cps_wgmma_wait() {
     CPS_WGMMA_MISSING();
 #endif
 }
+
+// ---- mbarriers (sm_90), CTA scope ----------------------------------------------------
+// A phase completes when `count` arrivals came; waiters name the phase by its parity, so
+// an arriving side may run at most one phase ahead of the slowest waiter.
+__device__ __forceinline__ void cps_mbar_init(u32 addr, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(addr), "r"(count) : "memory");
+}
+
+// Arrive (release: this thread's earlier shared-memory writes are visible to the waiters).
+__device__ __forceinline__ void cps_mbar_arrive(u32 addr) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(addr) : "memory");
+}
+
+// Arrive once this thread's earlier cp.async copies have landed (the arrival is counted
+// in the barrier's init count: .noinc); the thread itself goes on at once.
+__device__ __forceinline__ void cps_mbar_arrive_cp_async(u32 addr) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(addr) : "memory");
+}
+
+// Wait (acquire) until the phase of parity `parity` has completed.
+__device__ __forceinline__ void cps_mbar_wait(u32 addr, u32 parity) {
+    asm volatile("{\n.reg .pred done;\nCPS_MBAR_WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra CPS_MBAR_WAIT_%=;\n}\n" :: "r"(addr), "r"(parity) : "memory");
+}
