@@ -566,11 +566,18 @@ def run_mla_model1_decode(s, w):
                      **got)]
 
 
+def mla_prefill_inputs(cp, t, h, rows, n_sets=2):
+    """kv rows [rows, 576] and (q [t, h, 576], top-k positions [t, K]) sets: bf16 values
+    stored as float16 (the mla_prefill rows; benchmarks.profile_attention prefill)."""
+    kv = _bf16_f16(cp, (rows, D_QK))
+    return kv, [(_bf16_f16(cp, (t, h, D_QK)), _positions(cp, t, rows, K))
+                for _ in range(n_sets)]
+
+
 def run_mla_prefill(s, w):
     cp, cps, torch = s.cp, s.cps, s.torch
     t, h, rows = w["T"], w["H"], w["S"]
-    kv = _bf16_f16(cp, (rows, D_QK))
-    sets = [(_bf16_f16(cp, (t, h, D_QK)), _positions(cp, t, rows, K)) for _ in range(2)]
+    kv, sets = mla_prefill_inputs(cp, t, h, rows)
     scale = cps.softmax_scale(128, 64)
 
     def make_peer(fm):

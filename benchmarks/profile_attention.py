@@ -17,6 +17,11 @@ difference to ``base`` is what that part adds to the critical path:
 The outputs of the variants are wrong by construction; only the times mean something.
 Results: stdout and ``$OUT/profile_attention.json`` when set.
 
+``prefill`` (``python3 -m benchmarks.profile_attention prefill [VARIANT ...]``): the
+ping-pong dense-rows kernel on the ``mla_prefill_*`` shapes: ``nocopies`` (the
+producer copies nothing), ``nomath`` (no wgmma), ``nomask`` (every key valid);
+``$OUT/profile_attention_prefill.json``.
+
 ``model1`` (``python3 -m benchmarks.profile_attention model1 [VARIANT ...]``) does the
 same for the MODEL1 kernel on the ``mla_model1_decode_*`` shapes (B 128, 32K contexts,
 top-k 512 / 1024 plus a 128-token window, H 64 / 128): ``nomath`` (both products
@@ -41,8 +46,8 @@ from benchmarks import harness
 # (variant, [(text in attention.cu, replacement)]); tests/test_profile_attention.py checks
 # every text still occurs exactly once, so the tool cannot silently time the base kernel.
 _QK = ("    for (int ks = 0; ks < KSTEPS; ++ks) {", "    for (int ks = 0; ks < 0; ++ks) {")
-_PV = ("    for (int ks = 0; ks < 4; ++ks) {\n        att_wgmma_m64n256_kmn",
-       "    for (int ks = 0; ks < 0; ++ks) {\n        att_wgmma_m64n256_kmn")
+_PV = ("        att_wgmma_m64n256_kmn(st.o, cps_wgmma_desc(sp + ks * 32, 16, 1024),",
+       "        if (0) att_wgmma_m64n256_kmn(st.o, cps_wgmma_desc(sp + ks * 32, 16, 1024),")
 _DQ = "__device__ __forceinline__ void att_dequant4(u32 w, float scale, u32& out01, u32& out23) {"
 VARIANTS = {
     "base": [],
@@ -75,6 +80,28 @@ MODEL1_VARIANTS = {
 }
 MODEL1_SHAPES = [(64, 512), (64, 1024), (128, 512), (128, 1024)]    # (H, topk), B 128
 MODEL1_WINDOW = 128
+
+# ``prefill`` (``python3 -m benchmarks.profile_attention prefill``): the ping-pong
+# dense-rows kernel (cps_sparse_mla_bf16) on the mla_prefill workloads (T 4096, top-k
+# 2048 of 8192 rows, H 128 / 64): ``nocopies`` (the producer copies nothing: the math
+# side alone), ``nomath`` (no wgmma: the producer, the softmax chain and the barriers),
+# ``nomask`` (every key valid: the cost of reading the masks).
+_PP_QK = ("            att_wgmma_m64n64_kk(s, cps_wgmma_desc(sq + off, 16, 1024),",
+          "            if (0) att_wgmma_m64n64_kk(s, cps_wgmma_desc(sq + off, 16, 1024),")
+_PP_PV_REGS = ("        att_wgmma_m64n256_rmn(o, a,", "        if (0) att_wgmma_m64n256_rmn(o, a,")
+_PP_PV_SMEM = ("        att_wgmma_m64n256_kmn(o, cps_wgmma_desc(sp + ks * 32, 16, 1024),",
+               "        if (0) att_wgmma_m64n256_kmn(o, cps_wgmma_desc(sp + ks * 32, 16, 1024),")
+PREFILL_VARIANTS = {
+    "base": [],
+    "nocopies": [("        for (int b = B0; b < B1; ++b) cps_cp_async16(dst + b * ATT_BLK, "
+                  "src + b * 128, v);\n", "")],
+    "nomath": [_PP_QK, _PP_PV_REGS, _PP_PV_SMEM],
+    "nomask": [("        const bool va = (word >> (8 * (j & 3))) & 1u, "
+                "vb = (word >> (8 * (j & 3) + 1)) & 1u;",
+                "        const bool va = true, vb = true;")],
+}
+PREFILL_SHAPES = [(4096, 128), (4096, 64)]          # (T, H); 8192 rows, top-k 2048
+PREFILL_ROWS = 8192
 
 # The trace: a buffer of clock64 stamps [cta][event][tile] and the five stores; each
 # (anchor, replacement) must hit attention.cu once (tests/test_profile_attention.py).
@@ -204,6 +231,27 @@ def model1(cp, cpsparse, katt, timing, base, names):
     return results
 
 
+def prefill(cp, cpsparse, katt, timing, base, names):
+    """Graph-replay time of each PREFILL_VARIANTS variant on each PREFILL_SHAPES shape."""
+    from benchmarks.bench_peers import mla_prefill_inputs
+    results = {}
+    scale = cpsparse.softmax_scale(128, 64)
+    for t, h in PREFILL_SHAPES:
+        kv, sets = mla_prefill_inputs(cp, t, h, PREFILL_ROWS)
+        key = f"T{t}_H{h}"
+        for name in names:
+            with attention_source(variant_source(base, name, PREFILL_VARIANTS)):
+                def call(q, idx):
+                    return katt.sparse_mla_attention(cp, q, kv, idx, scale, 512, False)
+                g = timing.time_graph(call, sets, reps=2, warmup=2, iters=10)
+            results.setdefault(key, {})[name] = g["median_ms"]
+            print(f"prefill {name:8s} {key:10s} {g['median_ms']:8.3f} ms "
+                  f"({g['p10_ms']:.3f}-{g['p90_ms']:.3f})", flush=True)
+        del kv, sets
+        cp.get_default_memory_pool().free_all_blocks()
+    return results
+
+
 def main(names=None):
     cp = harness.cupy()
     import cpsparse
@@ -213,13 +261,14 @@ def main(names=None):
 
     names = names or list(VARIANTS)
     base = raw_kernels.module_source("attention")
-    if names[0] == "model1":
-        results = model1(cp, cpsparse, katt, timing, base,
-                         names[1:] or list(MODEL1_VARIANTS))
+    if names[0] in ("model1", "prefill"):
+        run, variants, unit = ((model1, MODEL1_VARIANTS, "graph_us") if names[0] == "model1"
+                               else (prefill, PREFILL_VARIANTS, "graph_ms"))
+        results = run(cp, cpsparse, katt, timing, base, names[1:] or list(variants))
         out = os.environ.get("OUT")
         if out:
-            with open(os.path.join(out, "profile_attention_model1.json"), "w") as f:
-                json.dump({"device": harness.device_info(), "graph_us": results}, f, indent=2)
+            with open(os.path.join(out, f"profile_attention_{names[0]}.json"), "w") as f:
+                json.dump({"device": harness.device_info(), unit: results}, f, indent=2)
         return results
     if names == ["trace"]:
         summary = trace(cp, cpsparse, katt, raw_kernels, base)

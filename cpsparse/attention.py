@@ -319,43 +319,57 @@ def _sparse_with_extras(q, kv_cache, indices, sm_scale, d_v, attn_sink, topk_len
         return _katt.sparse_mla_attention_model1(
             xp, q, [(src.data, src.block_size, idx, n) for src, idx, n in parts], sm_scale,
             d_v, attn_sink)
-    results = [sparse_mla_attention_core(xp, q, src, _first(xp, idx, n), sm_scale, d_v)
+    if len(parts) == 1:
+        # One key source: its lengths and the sink go into the kernel (or the reference).
+        out, lse = sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v,
+                                             topk_length, attn_sink)
+        return out.astype(xp.float32), lse.astype(xp.float32)
+    results = [sparse_mla_attention_core(xp, q, src, idx, sm_scale, d_v, n)
                for src, idx, n in parts]
-    if len(results) == 1:
-        out, lse = results[0]
-    else:
-        out, lse = _cp_ref.merge_attention(xp.stack([o for o, _ in results]),
-                                           xp.stack([lse for _, lse in results]))
-    if attn_sink is not None:
-        # exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + exp(sink - lse)); an empty row
-        # (lse -inf) keeps out = 0, a +inf sink gives 0, a -inf sink 1.
-        with numpy.errstate(over="ignore", invalid="ignore"):
-            factor = 1.0 / (1.0 + xp.exp(attn_sink.astype(xp.float64)[None, :]
-                                         - lse.astype(xp.float64)))
-        factor = xp.where(lse == -xp.inf, 0.0, factor)
-        out = out * factor[..., None]
+    out, lse = _cp_ref.merge_attention(xp.stack([o for o, _ in results]),
+                                       xp.stack([lse for _, lse in results]))
+    out = _with_sink(xp, out, lse, attn_sink)
     return out.astype(xp.float32), lse.astype(xp.float32)
 
 
-def sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v):
+def _with_sink(xp, out, lse, attn_sink):
+    """out scaled by exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + exp(sink - lse)); an
+    empty row (lse -inf) keeps out = 0, a +inf sink gives 0, a -inf sink 1."""
+    if attn_sink is None:
+        return out
+    with numpy.errstate(over="ignore", invalid="ignore"):
+        factor = 1.0 / (1.0 + xp.exp(attn_sink.astype(xp.float64)[None, :]
+                                     - lse.astype(xp.float64)))
+    factor = xp.where(lse == -xp.inf, 0.0, factor)
+    return out * factor[..., None]
+
+
+def sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v, lengths=None,
+                              attn_sink=None):
     """:func:`sparse_mla_attention` on validated arguments: ``source`` is an
-    :class:`MLAKVCache` (fp8_ds_mla or MODEL1) or a dense workspace [S, D]."""
+    :class:`MLAKVCache` (fp8_ds_mla or MODEL1) or a dense workspace [S, D]; row t
+    attends to its first ``lengths[t]`` indices (all when None); ``attn_sink`` [H]
+    or None. On the kernel path the lengths and the sink are read by the kernel."""
     if _backend.use_kernels(xp):
         if isinstance(source, Model1KVCache):
             # the kernel reads the pages (MODEL1's records() would build a device
             # arange of every slot for nothing)
             if _katt.supports_model1(q.shape, d_v):
                 return _katt.sparse_mla_attention_model1(
-                    xp, q, [(source.data, source.block_size, indices, None)], sm_scale, d_v)
+                    xp, q, [(source.data, source.block_size, indices, lengths)], sm_scale,
+                    d_v, attn_sink)
         else:
             rows, decode = _rows_of(source)
             if _katt.supports(q.shape, d_v) and _katt.supports_rows(rows, decode is not None):
                 return _katt.sparse_mla_attention(xp, q, rows, indices, sm_scale, d_v,
-                                                  decode is not None)
+                                                  decode is not None, lengths=lengths,
+                                                  attn_sink=attn_sink)
         _backend.warn_fallback("sparse_mla_attention", tuple(q.shape) + (d_v,),
                                "this head dim / d_v / record size")
     rows, decode = _rows_of(source)
-    return _ref.sparse_mla_attention(q, rows, indices, sm_scale, d_v, decode)
+    out, lse = _ref.sparse_mla_attention(q, rows, _first(xp, indices, lengths), sm_scale, d_v,
+                                         decode)
+    return _with_sink(xp, out, lse, attn_sink), lse
 
 
 def dense_mla_attention(q: Array, kv: Array, sm_scale: FloatLike, *,

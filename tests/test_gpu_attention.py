@@ -421,6 +421,40 @@ def test_extras_match_reference(cp, katt, heads):
                                                   extra_indices=cp.asarray(e_idx), **dkw), exp)
 
 
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8_cache", "bf16_rows"])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_lengths_and_sink_in_the_kernel(cp, katt, fp8, splits):
+    """topk_length and attn_sink read by the fp8 / dense-rows kernels (one key source:
+    no composition): the epilogue or, split, cps_mla_combine applies the sink; lengths
+    arrive as int64 and are clamped to [0, topk] (negative and too large ones with value
+    checks off), and the public op routes a single source to the kernel."""
+    rng = np.random.default_rng(30 + splits + 2 * fp8)
+    tokens, heads, topk = 7, 128, 512
+    if fp8:
+        host = cpsparse.MLAKVCache.wrap(exact_fp8_records(rng, 40 * BLOCK).reshape(40, BLOCK, -1))
+        dev = cpsparse.MLAKVCache.wrap(cp.asarray(host.data))
+        src_h, src_d, rows_d, n = host, dev, dev.records(), host.num_slots
+    else:
+        src_h = bf16_normal(rng, (3000, 576))
+        src_d = rows_d = cp.asarray(src_h)
+        n = src_h.shape[0]
+    q = bf16_normal(rng, (tokens, heads, 576))
+    idx = ragged_indices(rng, tokens, topk, n)
+    lens = np.array([topk, 0, 100, 511, topk + 9, 1, -3], np.int64)
+    sink = rng.standard_normal(heads).astype(np.float32)
+    sink[0], sink[1] = np.inf, -np.inf
+    exp = sparse_mla_attention(q, src_h, idx, SCALE, attn_sink=sink,
+                               topk_length=np.clip(lens, 0, topk))
+    q_d, idx_d, sink_d = cp.asarray(q), cp.asarray(idx), cp.asarray(sink)
+    covered(katt, q_d, rows_d, fp8=fp8)
+    check_kernel(cp, lambda: katt.sparse_mla_attention(
+        cp, q_d, rows_d, idx_d, SCALE, 512, fp8, splits=splits, lengths=cp.asarray(lens),
+        attn_sink=sink_d), exp)
+    ok = np.clip(lens, 0, topk)
+    check_kernel(cp, lambda: sparse_mla_attention(q_d, src_d, idx_d, SCALE, attn_sink=sink_d,
+                                                  topk_length=cp.asarray(ok)), exp)
+
+
 def test_model1_cache_on_cupy_matches_numpy(cp, katt):
     """The MODEL1 layout on CuPy (array-generic code): the same bytes as on NumPy,
     FlashMLA's strided view wrapped, and V4-style attention over that view by the

@@ -6,21 +6,15 @@ from benchmarks import profile_attention as P
 from cpsparse import raw_kernels
 
 
-@pytest.mark.parametrize("name", sorted(P.VARIANTS))
-def test_variant_changes_the_source_where_it_says(name):
-    base = raw_kernels.module_source("attention")
-    src = P.variant_source(base, name)
-    assert (src == base) == (name == "base")
-    for old, new in P.VARIANTS[name]:
-        assert new in src
+TABLES = {"decode": P.VARIANTS, "model1": P.MODEL1_VARIANTS, "prefill": P.PREFILL_VARIANTS}
 
 
-@pytest.mark.parametrize("name", sorted(P.MODEL1_VARIANTS))
-def test_model1_variant_changes_the_source_where_it_says(name):
+@pytest.mark.parametrize("table,name", [(t, n) for t in TABLES for n in sorted(TABLES[t])])
+def test_variant_changes_the_source_where_it_says(table, name):
     base = raw_kernels.module_source("attention")
-    src = P.variant_source(base, name, P.MODEL1_VARIANTS)
+    src = P.variant_source(base, name, TABLES[table])
     assert (src == base) == (name == "base")
-    for old, new in P.MODEL1_VARIANTS[name]:
+    for old, new in TABLES[table][name]:
         assert new in src
 
 

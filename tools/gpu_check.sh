@@ -57,6 +57,10 @@ if want profile; then
     timeout 300 python3 -m benchmarks.profile_attention model1 2>&1 \
         | tee "$OUT/profile_attention_model1.log" | tail -20
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    # The ping-pong prefill kernel's ablations (its copies, its products, its masks).
+    timeout 200 python3 -m benchmarks.profile_attention prefill 2>&1 \
+        | tee "$OUT/profile_attention_prefill.log" | tail -10
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     # ... and which side of the pipeline waits for which (clock64 stamps a tile).
     timeout 120 python3 -m benchmarks.profile_attention trace 2>&1 \
         | tee "$OUT/profile_attention_trace.log" | tail -10

@@ -432,7 +432,9 @@ __device__ __forceinline__ void att_qk_wgmma(float (&s)[16], u32 sq, u32 sk, int
 
 // This CTA's work: token, first head, heads, and its share [t_first, t_end) of the
 // token's key tiles (split-KV: keys past nk_end are masked at the load, so nothing of
-// another split is read).
+// another split is read). The token's keys: with indices, its first row_len[t] top-k
+// entries (FlashMLA's topk_length, clamped to [0, topk]; all of them when row_len is
+// nullptr); without, the causal range [row_start[t], + row_len[t]).
 struct AttShare {
     const int* irow;      // top-k row of the token, or nullptr for a causal range
     int rbase, nk, tok, h0, nh, split, t_first, t_end, nk_end;
@@ -453,7 +455,7 @@ __device__ __forceinline__ AttShare att_share(const int* __restrict__ indices, i
     w.rbase = 0;
     if (indices != nullptr) {
         w.irow = indices + (size_t)w.tok * topk;
-        w.nk = topk;
+        w.nk = row_len == nullptr ? topk : min(max(__ldg(row_len + w.tok), 0), topk);
     } else {
         w.rbase = row_start[w.tok];
         w.nk = row_len[w.tok];
@@ -607,7 +609,7 @@ __device__ __forceinline__ void att_softmax_pv(float (&s)[16], AttRows& st, u32 
 // same scratch buffer (one allocation), the partial lse [T, H, splits] for
 // cps_mla_combine. L == 0: no valid key (out 0, lse -inf); a NaN score makes L NaN,
 // and NaN flows into out and lse (never the "no valid key" marker). With an attention
-// sink [H] (MODEL1 only; splits == 1 here, else cps_mla_combine applies it) out is
+// sink [H] (or nullptr; splits == 1 here, else cps_mla_combine applies it) out is
 // scaled by att_sink_factor; lse is not.
 __device__ __forceinline__ float att_sink_factor(const float* __restrict__ sink, int h,
                                                  float row_lse) {
@@ -681,7 +683,7 @@ __device__ __forceinline__ void att_rows_init(AttRows& st) {
         const int* __restrict__ indices, int topk, int num_slots,                           \
         const int* __restrict__ row_start, const int* __restrict__ row_len,                 \
         float* __restrict__ out, float* __restrict__ lse, int H, int d_v, float scale_log2, \
-        int splits, float* __restrict__ part_out
+        int splits, float* __restrict__ part_out, const float* __restrict__ sink
 
 // The math warpgroups of the warp-specialized kernels (threads 0..255): Q (D wide) to
 // shared memory, then for each tile the producer filled: QK^T over D / 16 k-steps,
@@ -734,7 +736,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_f
     extern __shared__ __align__(1024) u8 att_smem_raw[];
     const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
-    const AttShare w = att_share(indices, topk, nullptr, nullptr, H, splits);
+    const AttShare w = att_share(indices, topk, nullptr, row_len, H, splits);
     if (tid >= ATT_MATH_THREADS) {
         att_setmaxnreg_dec<ATT_PRODUCER_REGS>();
         att_produce_fp8(kv, w.irow, w.nk_end, num_slots, w.t_first, w.t_end, base,
@@ -742,7 +744,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_f
         return;
     }
     att_consume<ATT_D>(q, q_half, w, H, base, scale_log2, out, lse, part_out, d_v, splits,
-                       nullptr, tid);
+                       sink, tid);
 }
 
 
@@ -1168,7 +1170,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_b
         return;
     }
     att_consume_pp<ATT_D>(q, q_half, w, H, base, scale_log2, out, lse, part_out, d_v, splits,
-                          nullptr, tid);
+                          sink, tid);
 }
 
 

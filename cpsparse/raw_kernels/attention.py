@@ -62,9 +62,10 @@ raw_kernels.register_module(
     defines=dict(ATT_WS_THREADS=WS_THREADS, ATT_SMEM_BYTES=SMEM_BYTES, ATT_MAX_SPLITS=MAX_SPLITS))
 
 # C parameter lists (raw_kernels.Kernel letters).
-# cps_sparse_mla_*: q, q_half, kv, indices, topk, num_slots, row_start, row_len, out, lse,
-# H, d_v, scale_log2, splits, part_out (the partial rows, then the partial lse)
-ATTENTION_ARGS = "P i P P ii PPPP ii f i P"
+# cps_sparse_mla_*: q, q_half, kv, indices, topk, num_slots, row_start, row_len (the
+# causal range's length, or with indices the per-token list length), out, lse, H, d_v,
+# scale_log2, splits, part_out (the partial rows, then the partial lse), sink
+ATTENTION_ARGS = "P i P P ii PPPP ii f i PP"
 COMBINE_ARGS = "PPPP iii"       # cps_mla_combine: part_out, out, lse, sink, splits, d_v, H
 # cps_sparse_mla_model1: q, q_half, then per cache (main, extra) data, indices, lengths,
 # topk, block_size, page_stride, num_slots; then sink, out, lse, H, d_v, scale_log2,
@@ -155,7 +156,7 @@ def _plan(tokens, heads, topk, kind, dense, sm_scale, splits):
 
 
 def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_scale, d_v,
-            splits=None):
+            splits=None, sink=None):
     tokens, heads, _ = q.shape
     out = raw_kernels.empty(cp, (tokens, heads, d_v), cp.float32)
     lse = raw_kernels.empty(cp, (tokens, heads), cp.float32)
@@ -175,10 +176,12 @@ def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_sc
         kv = cp.zeros((1,) + kv.shape[1:], dtype=kv.dtype)   # the pointer valid
     kv = _aligned(cp, kv)
     part = _partials(cp, tokens, heads, splits, d_v)
+    if sink is not None:
+        sink = cp.ascontiguousarray(sink, dtype=cp.float32)
     fn((units * splits,), (WS_THREADS,),
        (qq, q_half, kv, indices, topk, num_slots, row_start, row_len, out, lse, heads, d_v,
-        scale_log2, splits, part), shared_mem=SMEM_BYTES)
-    _combine(cp, combine, part, out, lse, None, splits, d_v, heads)
+        scale_log2, splits, part, sink), shared_mem=SMEM_BYTES)
+    _combine(cp, combine, part, out, lse, sink, splits, d_v, heads)
     return out, lse
 
 
@@ -269,17 +272,23 @@ def supports_rows(rows, fp8):
     return not fp8 or (rows.ndim == 2 and rows.shape[1] == RECORD_BYTES)
 
 
-def sparse_mla_attention(cp, q, rows, indices, sm_scale, d_v, fp8, splits=None):
+def sparse_mla_attention(cp, q, rows, indices, sm_scale, d_v, fp8, splits=None,
+                         lengths=None, attn_sink=None):
     """out [T, H, d_v], lse [T, H] over ``rows[indices[t]]``.
 
     ``rows`` is the fp8_ds_mla record view uint8 [num_slots, 656] (``fp8``) or a
     dense float workspace [S, 576]. The caller checked :func:`supports` and
     :func:`supports_rows`. ``splits`` forces the split-KV factor (tests, benchmarks);
-    None chooses it from the shapes (:func:`choose_splits`).
+    None chooses it from the shapes (:func:`choose_splits`). ``lengths`` [T] (or
+    None): row t attends to its first ``lengths[t]`` indices (clamped to [0, topk]);
+    ``attn_sink`` float32 [H] (or None) scales out by exp(lse) / (exp(lse) +
+    exp(sink)), in the kernel's epilogue or in the split-KV combine.
     """
     kv = rows if fp8 else to_bf16(cp, rows)
-    return _launch(cp, q, kv, fp8, indices=index_i32(cp, indices), sm_scale=sm_scale,
-                   d_v=d_v, splits=splits)
+    return _launch(cp, q, kv, fp8, indices=index_i32(cp, indices),
+                   row_len=None if lengths is None else cp.ascontiguousarray(
+                       index_i32(cp, lengths)), sm_scale=sm_scale, d_v=d_v,
+                   splits=splits, sink=attn_sink)
 
 
 def dense_mla_attention(cp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges=None):
