@@ -19,7 +19,7 @@ Results: stdout and ``$OUT/profile_attention.json`` when set.
 
 ``prefill`` (``python3 -m benchmarks.profile_attention prefill [VARIANT ...]``): the
 ping-pong dense-rows kernel on the ``mla_prefill_*`` shapes: ``nocopies`` (the
-producer copies nothing), ``nomath`` (no wgmma), ``nomask`` (every key valid);
+producer copies nothing), ``nomath`` (no wgmma), ``nomask`` (masks never applied);
 ``$OUT/profile_attention_prefill.json``.
 
 ``model1`` (``python3 -m benchmarks.profile_attention model1 [VARIANT ...]``) does the
@@ -85,7 +85,7 @@ MODEL1_WINDOW = 128
 # dense-rows kernel (cps_sparse_mla_bf16) on the mla_prefill workloads (T 4096, top-k
 # 2048 of 8192 rows, H 128 / 64): ``nocopies`` (the producer copies nothing: the math
 # side alone), ``nomath`` (no wgmma: the producer, the softmax chain and the barriers),
-# ``nomask`` (every key valid: the cost of reading the masks).
+# ``nomask`` (masks never applied: the cost of a tile with masked keys).
 _PP_QK = ("            att_wgmma_m64n64_kk(s, cps_wgmma_desc(sq + off, 16, 1024),",
           "            if (0) att_wgmma_m64n64_kk(s, cps_wgmma_desc(sq + off, 16, 1024),")
 _PP_PV_REGS = ("        att_wgmma_m64n256_rmn(o, a,", "        if (0) att_wgmma_m64n256_rmn(o, a,")
@@ -96,9 +96,7 @@ PREFILL_VARIANTS = {
     "nocopies": [("        for (int b = B0; b < B1; ++b) cps_cp_async16(dst + b * ATT_BLK, "
                   "src + b * 128, v);\n", "")],
     "nomath": [_PP_QK, _PP_PV_REGS, _PP_PV_SMEM],
-    "nomask": [("        const bool va = (word >> (8 * (j & 3))) & 1u, "
-                "vb = (word >> (8 * (j & 3) + 1)) & 1u;",
-                "        const bool va = true, vb = true;")],
+    "nomask": [("    if ((mw.x & mw.y) != 0xffffffffu) {", "    if (false) {")],
 }
 PREFILL_SHAPES = [(4096, 128), (4096, 64)]          # (T, H); 8192 rows, top-k 2048
 PREFILL_ROWS = 8192

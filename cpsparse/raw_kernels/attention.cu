@@ -904,38 +904,51 @@ __device__ __forceinline__ void att_pp_qk(float (&s)[32], u32 sq, u32 sk) {
     }
 }
 
+// O *= f0 (row r0) / f1 (row r1), skipped when no row of the warp changes (f == 1 is
+// exactly ex2(0): the max did not move; the skip leaves every bit as it was).
+__device__ __forceinline__ void att_pp_rescale(float (&o)[128], float f0, float f1) {
+    if (!__any_sync(0xffffffffu, f0 != 1.f || f1 != 1.f)) return;
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+        o[4 * n + 0] *= f0;
+        o[4 * n + 1] *= f0;
+        o[4 * n + 2] *= f1;
+        o[4 * n + 3] *= f1;
+    }
+}
+
 // Mask S of the tile (its 64-bit key mask at mask), the row max with m_in (the running max this
 // warpgroup continues from), O rescaled to it, P = exp2(S scale - max) in s (fp32) and
 // pk (bf16 pairs, the A fragment of wgmma), l; the new max to st.m and s_max.
 __device__ __forceinline__ void att_pp_softmax(float (&s)[32], u32 (&pk)[16], AttRows& st,
                                                float m_in0, float m_in1, u32 mask, u32 s_max,
                                                float scale_log2, int r0, int r1, int t4) {
-    // Keys 8 j + 2 t4 and + 1 of this thread: bits 8 (j % 4) and + 1 of word j / 4,
-    // shifted by 2 t4 once.
     const uint2 mw = att_ld_v2(mask);
-    const u32 lo = mw.x >> (2 * t4), hi = mw.y >> (2 * t4);
+    if ((mw.x & mw.y) != 0xffffffffu) {           // some key masked (uniform: one tile)
+        // Keys 8 j + 2 t4 and + 1 of this thread: bits 8 (j % 4) and + 1 of word j / 4,
+        // shifted by 2 t4 once.
+        const u32 lo = mw.x >> (2 * t4), hi = mw.y >> (2 * t4);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 word = j < 4 ? lo : hi;
+            const bool va = (word >> (8 * (j & 3))) & 1u;
+            const bool vb = (word >> (8 * (j & 3) + 1)) & 1u;
+            s[4 * j + 0] = va ? s[4 * j + 0] : ATT_NEG_INF;
+            s[4 * j + 1] = vb ? s[4 * j + 1] : ATT_NEG_INF;
+            s[4 * j + 2] = va ? s[4 * j + 2] : ATT_NEG_INF;
+            s[4 * j + 3] = vb ? s[4 * j + 3] : ATT_NEG_INF;
+        }
+    }
     float mx0 = ATT_NEG_INF, mx1 = ATT_NEG_INF;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-        const u32 word = j < 4 ? lo : hi;
-        const bool va = (word >> (8 * (j & 3))) & 1u, vb = (word >> (8 * (j & 3) + 1)) & 1u;
-        s[4 * j + 0] = va ? s[4 * j + 0] : ATT_NEG_INF;
-        s[4 * j + 1] = vb ? s[4 * j + 1] : ATT_NEG_INF;
-        s[4 * j + 2] = va ? s[4 * j + 2] : ATT_NEG_INF;
-        s[4 * j + 3] = vb ? s[4 * j + 3] : ATT_NEG_INF;
         mx0 = fmaxf(mx0, fmaxf(s[4 * j + 0], s[4 * j + 1]));
         mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
     }
     att_quad_max(mx0, mx1);
     const float n0 = fmaxf(m_in0, mx0 * scale_log2), n1 = fmaxf(m_in1, mx1 * scale_log2);
     const float so0 = att_ex2(st.m0 - n0), so1 = att_ex2(st.m1 - n1);
-#pragma unroll
-    for (int n = 0; n < 32; ++n) {
-        st.o[4 * n + 0] *= so0;
-        st.o[4 * n + 1] *= so0;
-        st.o[4 * n + 2] *= so1;
-        st.o[4 * n + 3] *= so1;
-    }
+    att_pp_rescale(st.o, so0, so1);
     float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -1068,13 +1081,7 @@ __device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q
             att_pp_store_p(sS0, pk, r0, r1, g, t4);
             cps_fence_proxy_async();
             att_bar_arrive(ATT_PP_BAR_S0, 256);
-#pragma unroll
-            for (int n = 0; n < 32; ++n) {
-                st.o[4 * n + 0] *= f0;
-                st.o[4 * n + 1] *= f0;
-                st.o[4 * n + 2] *= f1;
-                st.o[4 * n + 3] *= f1;
-            }
+            att_pp_rescale(st.o, f0, f1);
             st.l0 *= f0;
             st.l1 *= f1;
             att_bar_sync(ATT_PP_BAR_S1, 256);
