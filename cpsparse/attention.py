@@ -360,12 +360,14 @@ def sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v, lengths=Non
                     d_v, attn_sink)
         else:
             rows, decode = _rows_of(source)
-            if _katt.supports(q.shape, d_v) and _katt.supports_rows(rows, decode is not None):
+            fp8 = decode is not None
+            if _katt.supports(q.shape, d_v) and _katt.supports_rows(rows, fp8) \
+                    and _katt.supports_scale(sm_scale, fp8):
                 return _katt.sparse_mla_attention(xp, q, rows, indices, sm_scale, d_v,
                                                   decode is not None, lengths=lengths,
                                                   attn_sink=attn_sink)
         _backend.warn_fallback("sparse_mla_attention", tuple(q.shape) + (d_v,),
-                               "this head dim / d_v / record size")
+                               "this head dim / d_v / record size / sm_scale")
     rows, decode = _rows_of(source)
     out, lse = _ref.sparse_mla_attention(q, rows, _first(xp, indices, lengths), sm_scale, d_v,
                                          decode)
@@ -440,10 +442,10 @@ def dense_mla_attention_core(xp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges=No
     """:func:`dense_mla_attention` on validated arguments (host int64 cu arrays;
     ``key_ranges``: the per-query (first key, key count) device arrays, if known)."""
     if _backend.use_kernels(xp):
-        if _katt.supports(q.shape, d_v):
+        if _katt.supports(q.shape, d_v) and _katt.supports_scale(sm_scale, False):
             return _katt.dense_mla_attention(xp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges)
         _backend.warn_fallback("dense_mla_attention", tuple(q.shape) + (d_v,),
-                               "this head dim / d_v")
+                               "this head dim / d_v / sm_scale")
     return _ref.dense_mla_attention(q, kv, sm_scale, d_v, cu_q, cu_k)
 
 

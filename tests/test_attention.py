@@ -450,3 +450,12 @@ def test_split_kv_schedule():
                 per = -(-tiles // s)
                 assert per >= katt.MIN_TILES_PER_SPLIT and (s - 1) * per < tiles
                 assert units * s <= 132
+
+
+def test_dense_rows_kernel_takes_positive_scales_only():
+    """The dense-rows kernel masks before it scales (its row max is of unscaled scores):
+    sm_scale <= 0 goes to the reference; the fp8 kernel scales first and takes any."""
+    from cpsparse.raw_kernels import attention as katt
+    assert katt.supports_scale(0.05, False) and katt.supports_scale(1e-30, False)
+    assert not katt.supports_scale(0.0, False) and not katt.supports_scale(-0.05, False)
+    assert katt.supports_scale(0.0, True) and katt.supports_scale(-0.05, True)

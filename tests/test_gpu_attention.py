@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import cpsparse
+from cpsparse._backend import KernelFallbackWarning
 from cpsparse.attention import (dense_mla_attention, local_to_global_slots, softmax_scale,
                                 sparse_mla_attention)
 from cpsparse.reference import attention as ref_attention
@@ -216,6 +217,29 @@ def test_sparse_bf16_masked_pairs(cp, katt):
     got = katt.sparse_mla_attention(cp, q_d, kv_d, idx_d, SCALE, 512, False, splits=1)
     msg = compare(got, exp)
     assert msg is None, msg
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.05])
+def test_nonpositive_scale_with_masked_keys(cp, katt, scale):
+    """sm_scale <= 0 (legal if unusual) with masked keys: the dense rows run on the
+    reference (the kernel masks before scaling; a warning says so), the fp8 cache in
+    its kernel (it scales first); both match the reference."""
+    rng = np.random.default_rng(12)
+    host = cpsparse.MLAKVCache.wrap(exact_fp8_records(rng, 8 * BLOCK).reshape(8, BLOCK, -1))
+    rows = bf16_normal(rng, (8 * BLOCK, 576))
+    q = bf16_normal(rng, (4, 64, 576))
+    idx = ragged_indices(rng, 4, 300, 8 * BLOCK)
+    for src_h, src_d in ((rows, cp.asarray(rows)),
+                         (host, cpsparse.MLAKVCache.wrap(cp.asarray(host.data)))):
+        exp = sparse_mla_attention(q, src_h, idx, scale)
+        q_d, idx_d = cp.asarray(q), cp.asarray(idx)
+        if isinstance(src_h, np.ndarray):
+            with pytest.warns(KernelFallbackWarning):
+                got = sparse_mla_attention(q_d, src_d, idx_d, scale)
+        else:
+            got = sparse_mla_attention(q_d, src_d, idx_d, scale)
+        msg = compare(got, exp)
+        assert msg is None, msg
 
 
 def test_sparse_d_v_and_empty_topk(cp, katt):

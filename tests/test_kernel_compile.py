@@ -112,16 +112,18 @@ def test_module_compiles_without_spills(name):
                           f"(registers, spill stores, spill loads, stack): {spilling}\n{log}")
 
 
-def test_warp_specialized_attention_launches_with_the_pool_its_split_assumes():
-    # cps_sparse_mla_fp8 moves registers between warpgroups with setmaxnreg; the
+@pytest.mark.parametrize("kernel", ["cps_sparse_mla_fp8", "cps_sparse_mla_model1",
+                                    "cps_sparse_mla_bf16"])
+def test_warp_specialized_attention_launches_with_the_pool_its_split_assumes(kernel):
+    # The attention kernels move registers between warpgroups with setmaxnreg; the
     # increase blocks forever unless the CTA's pool (threads x registers at launch)
     # covers the split, which attention.cu sizes for 168 registers a thread.
     ok, log = compile_module("attention")
     assert ok, log
-    regs = kernel_reports(log)["cps_sparse_mla_fp8"][0]
+    regs = kernel_reports(log)[kernel][0]
     src = raw_kernels.module_source("attention")
     launch = int(re.search(r"#define ATT_LAUNCH_REGS (\d+)", src).group(1))
-    assert regs == launch, f"cps_sparse_mla_fp8 uses {regs} registers, the split assumes {launch}"
+    assert regs == launch, f"{kernel} uses {regs} registers, the split assumes {launch}"
 
 
 @pytest.mark.parametrize("name,cc", [c for c in _cases(True) if c.values[1] != (9, 0)])

@@ -266,6 +266,13 @@ def sparse_mla_attention_model1(cp, q, caches, sm_scale, d_v, attn_sink=None, sp
     return out, lse
 
 
+def supports_scale(sm_scale, fp8):
+    """True when the kernel takes this softmax scale: the dense-rows kernel masks a key
+    (S = -inf) before scaling and takes the row max of the unscaled scores, which holds
+    for sm_scale > 0 only (the fp8 and MODEL1 kernels scale first)."""
+    return fp8 or sm_scale > 0
+
+
 def supports_rows(rows, fp8):
     """True when the kernel reads these key rows (fp8_ds_mla records of 656 bytes, or
     any dense float workspace)."""
