@@ -313,17 +313,17 @@ def _sparse_with_extras(q, kv_cache, indices, sm_scale, d_v, attn_sink, topk_len
             xp, q, extra_kv_cache, extra_indices, d_v, ("extra_kv_cache", "extra_indices"))
         _check_lengths(xp, "extra_topk_length", extra_topk_length, tokens)
         parts.append((e_source, e_indices, extra_topk_length))
-    if _backend.use_kernels(xp) and _katt.supports_model1(q.shape, d_v) and all(
-            isinstance(src, Model1KVCache) for src, _, _ in parts):
-        # MODEL1 caches: lengths, the extra cache and the sink in one kernel.
-        return _katt.sparse_mla_attention_model1(
-            xp, q, [(src.data, src.block_size, idx, n) for src, idx, n in parts], sm_scale,
-            d_v, attn_sink)
     if len(parts) == 1:
         # One key source: its lengths and the sink go into the kernel (or the reference).
         out, lse = sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v,
                                              topk_length, attn_sink)
         return out.astype(xp.float32), lse.astype(xp.float32)
+    if _backend.use_kernels(xp) and _katt.supports_model1(q.shape, d_v) and all(
+            isinstance(src, Model1KVCache) for src, _, _ in parts):
+        # Two MODEL1 caches: both lists in one softmax of one kernel.
+        return _katt.sparse_mla_attention_model1(
+            xp, q, [(src.data, src.block_size, idx, n) for src, idx, n in parts], sm_scale,
+            d_v, attn_sink)
     results = [sparse_mla_attention_core(xp, q, src, idx, sm_scale, d_v, n)
                for src, idx, n in parts]
     out, lse = _cp_ref.merge_attention(xp.stack([o for o, _ in results]),
@@ -363,9 +363,8 @@ def sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v, lengths=Non
             fp8 = decode is not None
             if _katt.supports(q.shape, d_v) and _katt.supports_rows(rows, fp8) \
                     and _katt.supports_scale(sm_scale, fp8):
-                return _katt.sparse_mla_attention(xp, q, rows, indices, sm_scale, d_v,
-                                                  decode is not None, lengths=lengths,
-                                                  attn_sink=attn_sink)
+                return _katt.sparse_mla_attention(xp, q, rows, indices, sm_scale, d_v, fp8,
+                                                  lengths=lengths, attn_sink=attn_sink)
         _backend.warn_fallback("sparse_mla_attention", tuple(q.shape) + (d_v,),
                                "this head dim / d_v / record size / sm_scale")
     rows, decode = _rows_of(source)

@@ -176,8 +176,6 @@ def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_sc
         kv = cp.zeros((1,) + kv.shape[1:], dtype=kv.dtype)   # the pointer valid
     kv = _aligned(cp, kv)
     part = _partials(cp, tokens, heads, splits, d_v)
-    if sink is not None:
-        sink = cp.ascontiguousarray(sink, dtype=cp.float32)
     fn((units * splits,), (WS_THREADS,),
        (qq, q_half, kv, indices, topk, num_slots, row_start, row_len, out, lse, heads, d_v,
         scale_log2, splits, part, sink), shared_mem=SMEM_BYTES)
@@ -226,7 +224,8 @@ def sparse_mla_attention_model1(cp, q, caches, sm_scale, d_v, attn_sink=None, sp
     page stride of the layout, block_size, indices [T, topk], lengths [T] or None)
     tuples: the main cache, then the extra one (the sliding window). Row t attends to
     the first ``lengths[t]`` (all when None, clamped to [0, topk]) slots of each list.
-    ``attn_sink`` float32 [H] or None. The caller checked :func:`supports_model1`.
+    ``attn_sink`` float32 [H] (C-contiguous, as the public op checks it) or None. The
+    caller checked :func:`supports_model1`.
     """
     tokens, heads, _ = q.shape
     out = raw_kernels.empty(cp, (tokens, heads, d_v), cp.float32)
@@ -256,13 +255,12 @@ def sparse_mla_attention_model1(cp, q, caches, sm_scale, d_v, attn_sink=None, sp
     units, splits, fn, combine, scale_log2 = _plan(tokens, heads, 64 * tiles, "model1", False,
                                                    sm_scale, splits)
     qq, q_half = _q_operand(cp, q)
-    sink = None if attn_sink is None else cp.ascontiguousarray(attn_sink, dtype=cp.float32)
     part = _partials(cp, tokens, heads, splits, d_v)
     (ka, ia, la, topk_a, bs_a, st_a, n_a), (kb, ib, lb, topk_b, bs_b, st_b, n_b) = lists
     fn((units * splits,), (WS_THREADS,),
        (qq, q_half, ka, ia, la, topk_a, bs_a, st_a, n_a, kb, ib, lb, topk_b, bs_b, st_b, n_b,
-        sink, out, lse, heads, d_v, scale_log2, splits, part), shared_mem=SMEM_BYTES)
-    _combine(cp, combine, part, out, lse, sink, splits, d_v, heads)
+        attn_sink, out, lse, heads, d_v, scale_log2, splits, part), shared_mem=SMEM_BYTES)
+    _combine(cp, combine, part, out, lse, attn_sink, splits, d_v, heads)
     return out, lse
 
 
@@ -289,12 +287,12 @@ def sparse_mla_attention(cp, q, rows, indices, sm_scale, d_v, fp8, splits=None,
     None chooses it from the shapes (:func:`choose_splits`). ``lengths`` [T] (or
     None): row t attends to its first ``lengths[t]`` indices (clamped to [0, topk]);
     ``attn_sink`` float32 [H] (or None) scales out by exp(lse) / (exp(lse) +
-    exp(sink)), in the kernel's epilogue or in the split-KV combine.
+    exp(sink)), in the kernel's epilogue or in the split-KV combine. Both are
+    C-contiguous, as the public op checks them.
     """
     kv = rows if fp8 else to_bf16(cp, rows)
     return _launch(cp, q, kv, fp8, indices=index_i32(cp, indices),
-                   row_len=None if lengths is None else cp.ascontiguousarray(
-                       index_i32(cp, lengths)), sm_scale=sm_scale, d_v=d_v,
+                   row_len=index_i32(cp, lengths), sm_scale=sm_scale, d_v=d_v,
                    splits=splits, sink=attn_sink)
 
 
