@@ -1044,15 +1044,24 @@ __device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q
                 cps_mbar_wait(mbar + 32 + 8 * par, (p >> 1) & 1);
                 const int any = att_pp_any(masks + par * 16);
                 cps_mbar_wait(mbar + 0, par);
-                if (any) att_pp_qk<0, 4, true>(s, sq, k0);
-                cps_mbar_wait(mbar + 8, par);
                 if (!any) {
+                    // A skipped pair keeps the barriers' rhythm. The EMPTY L1 arrival
+                    // waits for FULL L1: the producer arrives on it after its EMPTY L1
+                    // sync of this pair, so this arrival cannot complete that sync's
+                    // barrier together with the previous pair's (FULL R0 alone, which
+                    // the producer arrives on before that sync, would not order them).
+                    cps_mbar_wait(mbar + 8, par);
+                    cps_mbar_wait(mbar + 16, par);
                     if (more) {
                         att_bar_arrive(ATT_PP_BAR_EMPTY + 0, 256);
                         att_bar_arrive(ATT_PP_BAR_EMPTY + 2, 256);
                     }
                     continue;
                 }
+                // (Every wgmma issued here is committed on the same path: a wgmma left
+                // uncommitted on a branch makes ptxas serialize them all, C7518.)
+                att_pp_qk<0, 4, true>(s, sq, k0);
+                cps_mbar_wait(mbar + 8, par);
                 att_pp_qk<4, NB, false>(s, sq, k0);
                 cps_wgmma_commit();
                 cps_wgmma_wait<0>();
@@ -1121,15 +1130,16 @@ __device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q
             cps_mbar_wait(mbar + 32 + 8 * par, (p >> 1) & 1);
             const int any = att_pp_any(masks + par * 16);
             cps_mbar_wait(mbar + 24, par);
-            if (any) att_pp_qk<4, NB, true>(s, sq, k1);
-            cps_mbar_wait(mbar + 16, par);
             if (!any) {
+                cps_mbar_wait(mbar + 16, par);
                 if (more) {
                     att_bar_arrive(ATT_PP_BAR_EMPTY + 3, 256);
                     att_bar_arrive(ATT_PP_BAR_EMPTY + 1, 256);
                 }
                 continue;
             }
+            att_pp_qk<4, NB, true>(s, sq, k1);
+            cps_mbar_wait(mbar + 16, par);
             att_pp_qk<0, 4, false>(s, sq, k1);
             cps_wgmma_commit();
             cps_wgmma_wait<0>();
@@ -1140,8 +1150,10 @@ __device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q
             att_pp_softmax(s, pk, st, m0, m1, masks + par * 16 + 8, s_max, scale_log2, r0, r1,
                            t4);
             att_bar_arrive(ATT_PP_BAR_M1, 256);
-            att_pp_pv_regs(st.o, pk, k1, 1);
+            // P to shared memory first: the registers of pk are the A operand of the
+            // next wgmma, which no instruction may touch while it runs.
             att_pp_store_p(sS1, pk, r0, r1, g, t4);
+            att_pp_pv_regs(st.o, pk, k1, 1);
             att_bar_sync(ATT_PP_BAR_S0, 256);
             att_pp_pv_smem(st.o, sS0, k0, 1);
             cps_fence_proxy_async();
