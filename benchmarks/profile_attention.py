@@ -19,8 +19,8 @@ Results: stdout and ``$OUT/profile_attention.json`` when set.
 
 ``prefill`` (``python3 -m benchmarks.profile_attention prefill [VARIANT ...]``): the
 ping-pong dense-rows kernel on the ``mla_prefill_*`` shapes: ``nocopies`` (the
-producer copies nothing), ``nomath`` (no wgmma), ``nomask`` (masks never applied);
-``$OUT/profile_attention_prefill.json``.
+producer copies nothing), ``nomath`` (no wgmma), ``nomask`` (masks never applied),
+``noq`` (no Q load), ``nowrite`` (no epilogue); ``$OUT/profile_attention_prefill.json``.
 
 ``model1`` (``python3 -m benchmarks.profile_attention model1 [VARIANT ...]``) does the
 same for the MODEL1 kernel on the ``mla_model1_decode_*`` shapes (B 128, 32K contexts,
@@ -85,7 +85,8 @@ MODEL1_WINDOW = 128
 # dense-rows kernel (cps_sparse_mla_bf16) on the mla_prefill workloads (T 4096, top-k
 # 2048 of 8192 rows, H 128 / 64): ``nocopies`` (the producer copies nothing: the math
 # side alone), ``nomath`` (no wgmma: the producer, the softmax chain and the barriers),
-# ``nomask`` (masks never applied: the cost of a tile with masked keys).
+# ``nomask`` (masks never applied: the cost of a tile with masked keys), ``noq`` (no Q
+# load) and ``nowrite`` (no epilogue): a CTA's fixed costs.
 _PP_QK = ("            att_wgmma_m64n64_kk(s, cps_wgmma_desc(sq + off, 16, 1024),",
           "            if (0) att_wgmma_m64n64_kk(s, cps_wgmma_desc(sq + off, 16, 1024),")
 _PP_PV_REGS = ("        att_wgmma_m64n256_rmn(o, a,", "        if (0) att_wgmma_m64n256_rmn(o, a,")
@@ -97,6 +98,16 @@ PREFILL_VARIANTS = {
                   "src + b * 128, v);\n", "")],
     "nomath": [_PP_QK, _PP_PV_REGS, _PP_PV_SMEM],
     "nomask": [("    if ((mw.x & mw.y) != 0xffffffffu) {", "    if (false) {")],
+    # the fixed costs of a CTA: its Q load (Q left as the smem held it) and its epilogue
+    "noq": [("    att_load_q<D>(q, q_half, w, H, sq, tid);\n    cps_fence_proxy_async();\n"
+             "    att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);\n    AttRows st;\n"
+             "    att_rows_init(st);\n    st.m0 = ATT_PP_MAX_INIT;",
+             "    cps_fence_proxy_async();\n"
+             "    att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);\n    AttRows st;\n"
+             "    att_rows_init(st);\n    st.m0 = ATT_PP_MAX_INIT;")],
+    # (a guard the compiler cannot fold: with O never read, ptxas drops the P V products)
+    "nowrite": [("    att_write_rows(st, w, base + ATT_OFF_L,",
+                 "    if (d_v == -1) att_write_rows(st, w, base + ATT_OFF_L,")],
 }
 PREFILL_SHAPES = [(4096, 128), (4096, 64)]          # (T, H); 8192 rows, top-k 2048
 PREFILL_ROWS = 8192

@@ -360,6 +360,10 @@ def time_graph(fn, inputs=None, *, reps=10, warmup=2, iters=30):
     """
     cp = cupy()
     inputs = _rotation(inputs)
+    # The inputs were made on the caller's stream; the side stream does not wait for it
+    # (non-blocking): without this the first calls could read them half written, and
+    # the replays run beside the caller's unfinished work.
+    cp.cuda.get_current_stream().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         for args in inputs:

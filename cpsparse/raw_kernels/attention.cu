@@ -832,6 +832,35 @@ __device__ __forceinline__ u32 att_pp_warp_mask(const int (&slot)[4]) {
     return m;
 }
 
+// The producer thread's four slots of tiles t0 and t0 + 1 (-1: masked, nothing to read).
+// All eight index loads are issued before any is tested: att_slot's load-then-check
+// compiles to one round trip per key (a branch around each load), eight in a row. The
+// address is clamped into [0, nk_end) instead (a valid entry of the row), so the loads
+// need no branch, and keys past nk_end are masked after.
+__device__ __forceinline__ void att_pp_slots(int (&s0)[4], int (&s1)[4], const AttShare& w,
+                                             int t0, int num_slots, int pt) {
+    int v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int j = t0 * 64 + (i >> 2) * 64 + att_pp_row(pt, i & 3);
+        v[i] = w.irow != nullptr ? 0 : w.rbase + j;
+    }
+    if (w.irow != nullptr && w.nk_end > 0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int j = t0 * 64 + (i >> 2) * 64 + att_pp_row(pt, i & 3);
+            v[i] = __ldg(w.irow + min(j, w.nk_end - 1));
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int j = t0 * 64 + (i >> 2) * 64 + att_pp_row(pt, i & 3);
+        const int slot = j < w.nk_end && att_slot_ok(v[i], num_slots) ? v[i] : -1;
+        if (i < 4) s0[i] = slot;
+        else s1[i - 4] = slot;
+    }
+}
+
 // Blocks [B0, B1) of the producer thread's four rows of one tile.
 template <int B0, int B1>
 __device__ __forceinline__ void att_pp_copy(u32 sk, const u8* __restrict__ kv,
@@ -854,15 +883,13 @@ __device__ __forceinline__ void att_produce_bf16(const u8* __restrict__ kv, cons
     const u32 k0 = base + ATT_OFF_K, k1 = k0 + ATT_TILE;
     const u32 mbar = base + ATT_PP_OFF_MBAR, masks = base + ATT_PP_OFF_MASKS;
     const int pairs = (w.t_end - w.t_first + 1) >> 1;
+    // The slots of a pair are loaded one pair ahead: their latency (an index read from
+    // global memory, then the copies' addresses) overlaps the previous pair's EMPTY waits
+    // instead of stalling every pair's masks and copies. Keys past nk_end read nothing.
+    int s0[4], s1[4];
+    att_pp_slots(s0, s1, w, w.t_first, num_slots, pt);
     for (int p = 0; p < pairs; ++p) {
         const int t0 = w.t_first + 2 * p, par = p & 1;
-        int s0[4], s1[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int row = att_pp_row(pt, r);
-            s0[r] = att_slot(w.irow, w.rbase, w.nk_end, t0 * 64 + row, num_slots);
-            s1[r] = att_slot(w.irow, w.rbase, w.nk_end, t0 * 64 + 64 + row, num_slots);
-        }
         const u32 m0 = att_pp_warp_mask(s0), m1 = att_pp_warp_mask(s1);
         if ((pt & 31) == 0) {
             att_st_u16(masks + par * 16 + 2 * (pt >> 5), m0);
@@ -870,6 +897,8 @@ __device__ __forceinline__ void att_produce_bf16(const u8* __restrict__ kv, cons
         }
         const int any = att_bar_or(ATT_PP_BAR_PRODUCER, 128, (m0 | m1) != 0u);
         cps_mbar_arrive(mbar + 32 + 8 * par);
+        int n0[4], n1[4];
+        att_pp_slots(n0, n1, w, t0 + 2, num_slots, pt);
         // In the order the math warpgroups free the halves: L0, R1, R0, L1.
         if (p > 0) att_bar_sync(ATT_PP_BAR_EMPTY + 0, 256);
         if (any) att_pp_copy<0, 4>(k0, kv, s0, pt, sub);
@@ -883,6 +912,11 @@ __device__ __forceinline__ void att_produce_bf16(const u8* __restrict__ kv, cons
         if (p > 0) att_bar_sync(ATT_PP_BAR_EMPTY + 2, 256);
         if (any) att_pp_copy<0, 4>(k1, kv, s1, pt, sub);
         cps_mbar_arrive_cp_async(mbar + 16);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            s0[r] = n0[r];
+            s1[r] = n1[r];
+        }
     }
     cps_cp_async_wait_all();
 }
