@@ -5,6 +5,7 @@ host's, and most tests drive a fake one so that the expected figures are exact.
 """
 
 import subprocess
+import types
 import sys
 import time
 
@@ -190,3 +191,47 @@ def test_importing_timing_touches_no_gpu():
             "bad = [m for m in ('cupy', 'torch') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_time_graph_waits_for_the_callers_stream(monkeypatch):
+    """The side stream of time_graph does not wait for the caller's (non-blocking): the
+    inputs, made on the caller's stream, must be finished before the first call reads
+    them, and the replays must not run beside the caller's work. A fake CuPy records
+    the order of events."""
+    events = []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            events.append(f"sync {self.name}")
+
+        def __enter__(self):
+            events.append(f"enter {self.name}")
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def begin_capture(self):
+            events.append("capture")
+
+        def end_capture(self):
+            return types.SimpleNamespace(launch=lambda stream: events.append("replay"))
+
+    caller = FakeStream("caller")
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_current_stream=lambda: caller,
+        Stream=lambda non_blocking=False: FakeStream("side")))
+    monkeypatch.setattr(timing, "cupy", lambda: fake_cupy)
+
+    def fake_time_cuda(fn, inputs=None, *, warmup=3, iters=30, probe=None):
+        fn()
+        return timing.summarize([2.0, 2.0])
+
+    monkeypatch.setattr(timing, "time_cuda", fake_time_cuda)
+    got = timing.time_graph(lambda x: events.append(f"call {x}"), [(1,), (2,)], reps=2)
+    assert got["median_ms"] == 1.0 and got["reps"] == 2
+    assert events.index("sync caller") < events.index("enter side") < events.index("call 1")
+    assert events.count("call 1") == 2 and "replay" in events
