@@ -39,12 +39,14 @@
 // wg holds heads 16wi + g (+8), g = lane / 4.
 // Shared cp.async / fence / wgmma helpers (cps_*): hopper.cuh.
 
-// ATT_WS_THREADS and ATT_SMEM_BYTES are #defined by the launcher (raw_kernels/attention.py),
-// which owns them; the tile layout below must fit ATT_SMEM_BYTES (static_assert).
+// ATT_WS_THREADS, ATT_SMEM_BYTES, ATT_MAX_SPLITS, ATT_REC_BYTES (the fp8_ds_mla record) and
+// ATT_M1_NOPE / ATT_M1_ROW / ATT_M1_SCALE_BYTES (the MODEL1 page layout) are #defined by
+// the launcher (raw_kernels/attention.py), which owns them; the tile layout below must
+// fit ATT_SMEM_BYTES (static_assert).
 #define ATT_D 576
 #define ATT_DV 512
 #define ATT_ROW_BYTES 1152          // bf16 row of the dense workspace
-#define ATT_REC_BYTES 656           // fp8_ds_mla record
+static_assert(ATT_REC_BYTES == 512 + 4 * 4 + 2 * 64, "fp8_ds_mla: codes, 4 scales, bf16 RoPE");
 #define ATT_BLK 8192                // one [64 x 64] bf16 block
 #define ATT_TILE (9 * ATT_BLK)      // [64 x 576] bf16
 #define ATT_OFF_Q 0
@@ -1239,11 +1241,13 @@ extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_b
 // tiles of 64: tiles [0, tiles_a) read the main cache, the rest the extra one, and all
 // of them enter one softmax. Every slot outside [0, num_slots) of its own cache is
 // masked and never read.
-#define ATT_M1_D 512
-#define ATT_M1_NOPE 448
-#define ATT_M1_ROW 576              // codes + bf16 RoPE of one token
-#define ATT_M1_SCALE_BYTES 8        // 7 ue8m0 scales + 1 pad byte a token
-#define ATT_M1_CODE_LANES 28        // 16-byte code chunks of a row (448 / 16)
+// ATT_M1_NOPE (e4m3 codes a token), ATT_M1_ROW (codes + bf16 RoPE) and ATT_M1_SCALE_BYTES
+// (the ue8m0 scales + 1 pad byte a token) come from the launcher.
+#define ATT_M1_D (ATT_M1_NOPE + 64)
+#define ATT_M1_CODE_LANES (ATT_M1_NOPE / 16)   // 16-byte code chunks of a row
+static_assert(ATT_M1_D == 512 && ATT_M1_ROW == ATT_M1_NOPE + 2 * 64 &&
+                  ATT_M1_SCALE_BYTES == ATT_M1_NOPE / 64 + 1,
+              "MODEL1: 448 codes, 64 bf16 RoPE, one scale byte per 64 codes and a pad byte");
 
 struct AttM1Cache {
     const u8* kv;

@@ -38,7 +38,8 @@ from cpsparse.reference import cache as cache_layout
 
 D_QK = 576
 D_V_MAX = 512
-RECORD_BYTES = 656              # fp8_ds_mla: 512 codes + 4 float32 scales + 64 bf16
+# fp8_ds_mla: 512 codes + 4 float32 scales + 64 bf16 (ATT_REC_BYTES)
+RECORD_BYTES = cache_layout.mla_token_bytes(512, 64)
 HEADS_PER_CTA = 64
 THREADS = 256                   # the grid-stride kernels (conversions, slot mapping)
 # The attention kernels (ATT_WS_THREADS): two math warpgroups and one producer warpgroup
@@ -59,7 +60,11 @@ raw_kernels.register_module(
     "attention", ["common.cuh", "hopper.cuh", "attention.cu"], capabilities=raw_kernels.exactly((9, 0)),
     ops=("sparse_mla_attention", "dense_mla_attention", "local_to_global_slots"),
     needs="Hopper wgmma, compiled for sm_90a",
-    defines=dict(ATT_WS_THREADS=WS_THREADS, ATT_SMEM_BYTES=SMEM_BYTES, ATT_MAX_SPLITS=MAX_SPLITS))
+    defines=dict(ATT_WS_THREADS=WS_THREADS, ATT_SMEM_BYTES=SMEM_BYTES, ATT_MAX_SPLITS=MAX_SPLITS,
+                 ATT_REC_BYTES=RECORD_BYTES,
+                 # the MODEL1 page layout (cpsparse.reference.cache owns it)
+                 ATT_M1_NOPE=cache_layout.MODEL1_NOPE, ATT_M1_ROW=cache_layout.MODEL1_ROW,
+                 ATT_M1_SCALE_BYTES=cache_layout.MODEL1_SCALES + 1))
 
 # C parameter lists (raw_kernels.Kernel letters).
 # cps_sparse_mla_*: q, q_half, kv, indices, topk, num_slots, row_start, row_len (the

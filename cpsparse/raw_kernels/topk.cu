@@ -791,7 +791,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
 // Unused pointer arguments may be any device array. block_table (decode modes
 // only; NULL otherwise) makes the rows global cache slots (tk_out). Grid:
 // rows * C CTAs, C consecutive CTAs a row (a cluster); dynamic shared memory
-// 2 * CAND * 8 bytes (topk.py's VARIANTS).
+// 2 * CAND * 8 bytes (topk.py's VARIANTS; TK_CAND_* are #defined by topk.py).
 #define TK_KERNEL(THREADS, VEC, C, CAND, MINB, SUFFIX, ATTR)                                \
     extern "C" __global__ void ATTR __launch_bounds__(THREADS, MINB)                        \
     cps_topk_##SUFFIX(const float* __restrict__ logits, long long width,                    \
@@ -805,8 +805,8 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
 
 // The cluster variants run one CTA an SM (choose_cluster keeps their grid within one
 // wave): their register budget is 128 a thread, where c1 and c1_t256 share an SM.
-TK_KERNEL(512, 4, 1, 1024, 2, c1, )
-TK_KERNEL(256, 4, 1, 1024, 4, c1_t256, )
-TK_KERNEL(512, 8, 2, 8192, 1, c2, __cluster_dims__(2, 1, 1))
-TK_KERNEL(512, 8, 4, 8192, 1, c4, __cluster_dims__(4, 1, 1))
-TK_KERNEL(512, 8, 8, 8192, 1, c8, __cluster_dims__(8, 1, 1))
+TK_KERNEL(512, 4, 1, TK_CAND_ONE_CTA, 2, c1, )
+TK_KERNEL(256, 4, 1, TK_CAND_ONE_CTA, 4, c1_t256, )
+TK_KERNEL(512, 8, 2, TK_CAND_CLUSTER, 1, c2, __cluster_dims__(2, 1, 1))
+TK_KERNEL(512, 8, 4, TK_CAND_CLUSTER, 1, c4, __cluster_dims__(4, 1, 1))
+TK_KERNEL(512, 8, 8, TK_CAND_CLUSTER, 1, c8, __cluster_dims__(8, 1, 1))

@@ -18,11 +18,16 @@ from cpsparse import raw_kernels
 from cpsparse.paging import INT32_MAX
 from cpsparse.raw_kernels import index_i32
 
+# Candidates a buffer (topk.cu's CAND, emitted as #defines): one CTA a row holds fewer
+# (its candidate buffers share the SM with a second CTA), a cluster's CTAs more.
+CAND_ONE_CTA = 1024        # TK_CAND_ONE_CTA
+CAND_CLUSTER = 8192        # TK_CAND_CLUSTER
 # Compiled configurations (topk.cu's TK_KERNEL lines): name -> (CTAs a row, threads,
 # candidates a buffer); the launch takes two buffers of 8-byte candidates as dynamic
 # shared memory.
-VARIANTS = {"c1": (1, 512, 1024), "c1_t256": (1, 256, 1024), "c2": (2, 512, 8192),
-            "c4": (4, 512, 8192), "c8": (8, 512, 8192)}
+VARIANTS = {"c1": (1, 512, CAND_ONE_CTA), "c1_t256": (1, 256, CAND_ONE_CTA),
+            "c2": (2, 512, CAND_CLUSTER), "c4": (4, 512, CAND_CLUSTER),
+            "c8": (8, 512, CAND_CLUSTER)}
 DEFAULT_VARIANT = {1: "c1", 2: "c2", 4: "c4", 8: "c8"}
 CLUSTERS = tuple(sorted(DEFAULT_VARIANT))
 SHORT_WIDTH = 16384        # rows no wider than this never split
@@ -39,7 +44,8 @@ ARGS = "P q PPP i i i P P ii"
 raw_kernels.register_module(
     "topk", ["common.cuh", "topk.cu"], options=("-default-device",),
     capabilities=raw_kernels.at_least(9, 0), ops=("topk_per_row", "topk_per_row_decode"),
-    needs="thread-block clusters and distributed shared memory")
+    needs="thread-block clusters and distributed shared memory",
+    defines=dict(TK_CAND_ONE_CTA=CAND_ONE_CTA, TK_CAND_CLUSTER=CAND_CLUSTER))
 
 
 def _sm_count():
