@@ -57,8 +57,9 @@ _SECTION = re.compile(r"\s*\.text\.(\w+):")
 
 def kernels(sass):
     """{kernel: [instruction lines]} of nvdisasm output: one entry a ``.text.<name>``
-    section, addresses and label numbers removed, directives and label lines dropped (a
-    label's number changes when code elsewhere in the module moves)."""
+    section, addresses and label numbers removed, directives, comments (nvdisasm's
+    section banners) and label lines dropped (a label's number changes when code
+    elsewhere in the module moves)."""
     out, current = {}, None
     for line in sass.splitlines():
         m = _SECTION.match(line)
@@ -68,7 +69,7 @@ def kernels(sass):
         if current is None:
             continue
         text = _LABEL.sub("L", _ADDRESS.sub("", line)).strip()
-        if text and not text.startswith(".") and not text.endswith(":"):
+        if text and not text.startswith((".", "//")) and not text.endswith(":"):
             current.append(text)
     return out
 
