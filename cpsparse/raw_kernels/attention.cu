@@ -809,12 +809,6 @@ __device__ __forceinline__ int att_pp_any(u32 masks) {
     return (a.x | a.y | b.x | b.y) != 0u;
 }
 
-template <int N>
-__device__ __forceinline__ void att_fence_u32(u32 (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
-}
-
 // Producer rows: warp pw owns rows 16 pw..16 pw+15 of each tile, row 16 pw + 4 r + lane / 8
 // in step r; thread sub = lane % 8 of the row's 8 copies 16 bytes of each 128-byte block
 // row (a warp instruction: 4 rows x 128 bytes).
@@ -1110,7 +1104,7 @@ __device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q
             att_pp_pv_regs(st.o, pk, k0, 0);
             cps_wgmma_wait<0>();
             cps_fence_regs(st.o);
-            att_fence_u32(pk);
+            cps_fence_regs(pk);
             if (more) att_bar_arrive(ATT_PP_BAR_EMPTY + 0, 256);
             // The pair's max from warpgroup 1: P of tile 0 and O rescaled to it.
             att_bar_sync(ATT_PP_BAR_M1, 256);
@@ -1195,7 +1189,7 @@ __device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q
             cps_fence_proxy_async();
             att_bar_arrive(ATT_PP_BAR_S1, 256);
             cps_wgmma_wait<1>();
-            att_fence_u32(pk);
+            cps_fence_regs(pk);
             if (more) att_bar_arrive(ATT_PP_BAR_EMPTY + 3, 256);
             cps_wgmma_wait<0>();
             cps_fence_regs(st.o);

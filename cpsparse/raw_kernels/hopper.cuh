@@ -50,6 +50,12 @@ __device__ __forceinline__ void cps_fence_regs(float (&r)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
 }
+// ... and the A-operand registers of a wgmma that reads A from registers.
+template <int N>
+__device__ __forceinline__ void cps_fence_regs(u32 (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
+}
 
 // wgmma shared-memory descriptor, 128-byte swizzle (addresses and offsets in bytes).
 //   K-major (rows of 128 bytes, 8-row atoms): SBO = bytes between 8-row groups (1024
