@@ -132,6 +132,53 @@ def test_mqa_logits_tail_queries_long_keys(cp, kin):
         _check(_prefill(cp, kin, dev, path), expect, f"tail queries path={path}")
 
 
+@pytest.mark.parametrize("heads,ctas", [(64, 1), (64, 3), (8, 2), (40, 5)])
+def test_mqa_logits_persistent_ctas_many_blocks(cp, kin, heads, ctas):
+    """The persistent wgmma kernel with few CTAs: each runs through tens of query blocks,
+    so both query slots and the key ring wrap many times (their barrier phases), with
+    whole blocks of empty windows, single keys, full rows and causal runs between."""
+    rng = np.random.default_rng(900 + heads + ctas)
+    n = 1500
+    m = 24 * (128 // kin._round8(heads)) + 7
+    kind = rng.integers(0, 5, m)
+    ks = rng.integers(0, n, m)
+    ke = np.minimum(ks + rng.integers(1, 700, m), n)
+    ks = np.where(kind == 0, ks, np.where(kind == 1, 0, ks))
+    ke = np.where(kind == 0, ks, np.where(kind == 1, n, ke))       # empty / full
+    ke = np.where(kind == 2, np.minimum(ks + 1, n), ke)            # a single key
+    run = slice(m // 3, m // 3 + 40)                               # whole blocks empty
+    ks[run], ke[run] = 5, 5
+    ks, ke = ks.astype(np.int32), ke.astype(np.int32)
+    q8, w = _queries(rng, (m, heads, 128))
+    k8, sk = _keys(rng, n)
+    expect = ref.mqa_logits(q8, k8, sk, w, ks, ke)
+    dev = [cp.asarray(a) for a in (q8, k8, sk, w, ks, ke)]
+    out = cp.full((m, n), np.nan, dtype=cp.float32)
+    kin.mqa_logits(cp, *dev, out=out, path="wgmma", ctas=ctas)
+    _check(out, expect, f"persistent mqa_logits H={heads} ctas={ctas}")
+    # the same logits with one CTA an SM, to the bit
+    full = _prefill(cp, kin, dev, "wgmma")
+    assert cp.array_equal(cp.nan_to_num(out, neginf=-1.0), cp.nan_to_num(full, neginf=-1.0))
+
+
+@pytest.mark.parametrize("heads,n", [(60, 37), (64, 1), (64, 65), (128, 200), (16, 63)])
+def test_mqa_logits_few_keys_and_padded_heads(cp, kin, heads, n):
+    """Fewer keys than a tile, one key, a tile and one; heads padded to a multiple of 8
+    (60 -> 64: the kernel built for 64 padded heads with 4 zero heads), one token a
+    block (128 heads)."""
+    rng = np.random.default_rng(1300 + heads + n)
+    m = 37
+    ks = rng.integers(0, n, m).astype(np.int32)
+    ke = np.minimum(ks + rng.integers(0, n + 1, m), n).astype(np.int32)
+    ks[0], ke[0] = 0, n
+    q8, w = _queries(rng, (m, heads, 128))
+    k8, sk = _keys(rng, n)
+    expect = ref.mqa_logits(q8, k8, sk, w, ks, ke)
+    dev = [cp.asarray(a) for a in (q8, k8, sk, w, ks, ke)]
+    for path in PATHS:
+        _check(_prefill(cp, kin, dev, path), expect, f"H={heads} N={n} path={path}")
+
+
 # ---- paged decode --------------------------------------------------------------
 
 def _paged_batch(rng, lens, next_n, heads, block_size=64, two_d=False):

@@ -131,6 +131,18 @@ def test_warp_specialized_attention_launches_with_the_pool_its_split_assumes(ker
     assert regs == launch, f"{kernel} uses {regs} registers, the split assumes {launch}"
 
 
+@pytest.mark.parametrize("kernel", ["cps_mqa_logits_ws", "cps_mqa_logits_ws_h64"])
+def test_warp_specialized_prefill_scoring_launches_with_the_pool_its_split_assumes(kernel):
+    # The same for the persistent prefill scoring kernels (4 math warpgroups and a
+    # producer warpgroup: 5 warps a scheduler, 96 registers a thread at launch).
+    ok, log = compile_module("indexer")
+    assert ok, log
+    regs = kernel_reports(log)[kernel][0]
+    src = raw_kernels.module_source("indexer")
+    launch = int(re.search(r"#define CPS_IDX_WS_LAUNCH_REGS (\d+)", src).group(1))
+    assert regs == launch, f"{kernel} uses {regs} registers, the split assumes {launch}"
+
+
 @pytest.mark.parametrize("name,cc", [c for c in _cases(True) if c.values[1] != (9, 0)])
 def test_module_compiles_for_every_claimed_arch(name, cc):
     """sm_90a is test_module_compiles_without_spills; here a compile is enough."""

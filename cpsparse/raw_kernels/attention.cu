@@ -292,20 +292,6 @@ __device__ __forceinline__ int att_bar_or(int id, int n, int pred) {
 static_assert(128 * ATT_PRODUCER_REGS + 256 * ATT_MATH_REGS <= ATT_WS_THREADS * ATT_LAUNCH_REGS,
               "setmaxnreg split exceeds the CTA's register pool");
 
-template <int N>
-__device__ __forceinline__ void att_setmaxnreg_dec() {
-#if CPS_HAS_WGMMA
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N));
-#endif
-}
-
-template <int N>
-__device__ __forceinline__ void att_setmaxnreg_inc() {
-#if CPS_HAS_WGMMA
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N));
-#endif
-}
-
 // Eight records' codes of a producer warp in registers (one pass): lane l holds the
 // 16-byte code chunk l (dims 16l..16l+15, scale group l / 8) of each of the 8 rows, so
 // one warp load reads 512 contiguous bytes of one record.
@@ -699,7 +685,7 @@ __device__ __forceinline__ void att_consume(const void* __restrict__ q, int q_ha
                                             const float* __restrict__ sink, int tid) {
     const u32 sq = base + ATT_OFF_Q, sp = base + ATT_OFF_P;
     const u32 s_max = base + ATT_OFF_MAX, s_valid = base + ATT_OFF_VALID;
-    att_setmaxnreg_inc<ATT_MATH_REGS>();
+    cps_setmaxnreg_inc<ATT_MATH_REGS>();
     const int lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wi = warp & 3;
     const int g = lane >> 2, t4 = lane & 3;
@@ -740,7 +726,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_f
     const int tid = threadIdx.x;
     const AttShare w = att_share(indices, topk, nullptr, row_len, H, splits);
     if (tid >= ATT_MATH_THREADS) {
-        att_setmaxnreg_dec<ATT_PRODUCER_REGS>();
+        cps_setmaxnreg_dec<ATT_PRODUCER_REGS>();
         att_produce_fp8(kv, w.irow, w.nk_end, num_slots, w.t_first, w.t_end, base,
                         tid - ATT_MATH_THREADS);
         return;
@@ -1046,7 +1032,7 @@ __device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q
                                                int splits, const float* __restrict__ sink,
                                                int tid) {
     constexpr int NB = D / 64;                     // QK^T blocks of a row
-    att_setmaxnreg_inc<ATT_PP_MATH_REGS>();
+    cps_setmaxnreg_inc<ATT_PP_MATH_REGS>();
     const int lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wi = warp & 3;
     const int g = lane >> 2, t4 = lane & 3;
@@ -1214,7 +1200,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_b
     }
     __syncthreads();
     if (tid >= ATT_MATH_THREADS) {
-        att_setmaxnreg_dec<ATT_PP_PRODUCER_REGS>();
+        cps_setmaxnreg_dec<ATT_PP_PRODUCER_REGS>();
         att_produce_bf16(kv, w, num_slots, base, tid - ATT_MATH_THREADS);
         return;
     }
@@ -1440,7 +1426,7 @@ cps_sparse_mla_model1(const void* __restrict__ q, int q_half,
         w.t_end = min(tiles_all, w.t_first + per_split);
     }
     if (tid >= ATT_MATH_THREADS) {
-        att_setmaxnreg_dec<ATT_PRODUCER_REGS>();
+        cps_setmaxnreg_dec<ATT_PRODUCER_REGS>();
         const AttM1Cache ca{kv, page_stride, block_size, num_slots};
         const AttM1Cache cb{ekv, epage_stride, eblock_size, enum_slots};
         att_produce_m1(ca, cb, m, w.t_first, w.t_end, base, tid - ATT_MATH_THREADS);

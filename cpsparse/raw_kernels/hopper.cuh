@@ -111,6 +111,24 @@ __device__ __forceinline__ void cps_wgmma_wait() {
 #endif
 }
 
+// The calling warpgroup's registers a thread (setmaxnreg, sm_90a): a producer gives
+// registers back to the CTA's pool, math warpgroups take them. The pool is what the CTA
+// was launched with (the cap of its __launch_bounds__, which ptxas uses); an increase
+// the pool cannot cover blocks forever, so a kernel's split must fit it exactly.
+template <int N>
+__device__ __forceinline__ void cps_setmaxnreg_dec() {
+#if CPS_HAS_WGMMA
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N));
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cps_setmaxnreg_inc() {
+#if CPS_HAS_WGMMA
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N));
+#endif
+}
+
 // ---- mbarriers (sm_90), CTA scope ----------------------------------------------------
 // A phase completes when `count` arrivals came; waiters name the phase by its parity, so
 // an arriving side may run at most one phase ahead of the slowest waiter.

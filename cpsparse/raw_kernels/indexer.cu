@@ -4,8 +4,10 @@
 //
 // inside each query row's window, -inf outside (every output element written).
 //
+// Prefill on Hopper runs the persistent warp-specialized cps_mqa_logits_ws* (at the end
+// of this file); everything else is cps_idx_cta:
 // One CTA = one warpgroup (128 threads) = a block of query rows ("rows"):
-//   * prefill (cps_mqa_logits_*): 128 // hp query tokens, all their heads, against
+//   * prefill (cps_mqa_logits_mma): 128 // hp query tokens, all their heads, against
 //     the key tiles of [min ks, max ke) of those rows (tiles outside every row's window
 //     are skipped and written -inf by a vectorised fill);
 //   * decode (cps_paged_mqa_logits_*): the next_n rows of one request against one
@@ -107,7 +109,8 @@ __device__ __forceinline__ void cps_mma_e4m3(float* d, const u32* a, u32 b0, u32
 
 // ---- the shared CTA body -------------------------------------------------------
 
-// -inf into row[c0:c1) by the CTA's 128 threads (16-byte stores where aligned).
+// -inf into row[c0:c1) by NT threads (tid < NT; 16-byte stores where aligned).
+template <int NT = CPS_IDX_THREADS>
 __device__ __forceinline__ void cps_fill_neg_inf(float* row, int c0, int c1, int tid) {
     if (c1 <= c0) return;
     float* p = row + c0;
@@ -119,9 +122,32 @@ __device__ __forceinline__ void cps_fill_neg_inf(float* row, int c0, int c1, int
     float4* p4 = reinterpret_cast<float4*>(p + head);
     const int n4 = (n - head) >> 2;
     const float4 v = make_float4(ninf, ninf, ninf, ninf);
-    for (int i = tid; i < n4; i += CPS_IDX_THREADS) p4[i] = v;
+    for (int i = tid; i < n4; i += NT) p4[i] = v;
     const int t0 = head + 4 * n4;
     if (tid < n - t0) p[t0 + tid] = ninf;
+}
+
+// The epilogue's head sum, one column group (8 columns; 2 a thread, of keys key0 and
+// key0 + 8) at a time: x + |x| = 2 relu(x) (the 1/2 is folded into the key scale).
+__device__ __forceinline__ void cps_head_sum_add(float (&hs)[4], float w0, float w1, float x0,
+                                                 float x1, float x2, float x3) {
+    hs[0] = fmaf(w0, x0 + fabsf(x0), hs[0]);
+    hs[1] = fmaf(w1, x1 + fabsf(x1), hs[1]);
+    hs[2] = fmaf(w0, x2 + fabsf(x2), hs[2]);
+    hs[3] = fmaf(w1, x3 + fabsf(x3), hs[3]);
+}
+
+// A row's logits of keys key0 / key0 + 8: the head sums times the key scales (s0, s1,
+// with the 1/2 of x + |x|), then summed across the 4 lanes that share those keys (every
+// lane gets them). Scale, then lane sum: DeepGEMM's order of operations (its logits still
+// differ from these in the last bits of ~11% of the entries; the cause is not found).
+__device__ __forceinline__ float2 cps_head_sum_finish(const float (&hs)[4], float s0, float s1) {
+    float v0 = (hs[0] + hs[1]) * s0, v1 = (hs[2] + hs[3]) * s1;
+    v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
+    v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
+    v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
+    v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
+    return make_float2(v0, v1);
 }
 
 struct CpsIdxSmem {
@@ -426,7 +452,7 @@ __device__ __forceinline__ void cps_idx_cta(
             const u32 b_addr = sq + ch * NC * CPS_IDX_D;
             // Epilogue state: relu-weighted head sums of keys key0 / key0 + 8, one row at
             // a time (row r's columns end at column group i when bit i of done_mask is set).
-            float s0a = 0.f, s0b = 0.f, s1a = 0.f, s1b = 0.f;
+            float hs[4] = {0.f, 0.f, 0.f, 0.f};
             int r = ch * rpc;
             auto epi = [&](int i, float x0, float x1, float x2, float x3) {
                 float w0, w1;
@@ -438,29 +464,22 @@ __device__ __forceinline__ void cps_idx_cta(
                     w0 = wreg[WREG ? 2 * i : 0];
                     w1 = wreg[WREG ? 2 * i + 1 : 0];
                 }
-                s0a = fmaf(w0, x0 + fabsf(x0), s0a);
-                s0b = fmaf(w1, x1 + fabsf(x1), s0b);
-                s1a = fmaf(w0, x2 + fabsf(x2), s1a);
-                s1b = fmaf(w1, x3 + fabsf(x3), s1b);
+                cps_head_sum_add(hs, w0, w1, x0, x1, x2, x3);
                 if ((done_mask >> i) & 1u) {
-                    float v0 = s0a + s0b, v1 = s1a + s1b;
-                    v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
-                    v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
-                    v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
-                    v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
+                    const float2 v2 = cps_head_sum_finish(hs, sk0, sk1);
                     if (r < nrows && t < 2 && whole) {
-                        out[(out_row0 + r) * ld + t0 + key0 + 8 * t] = t ? v1 * sk1 : v0 * sk0;
+                        out[(out_row0 + r) * ld + t0 + key0 + 8 * t] = t ? v2.y : v2.x;
                     } else if (r < nrows && t < 2) {
                         const int col = t0 + key0 + 8 * t;
                         if (col < t_hi) {
-                            const float v = t ? v1 * sk1 : v0 * sk0;
+                            const float v = t ? v2.y : v2.x;
                             bool in = col >= s.lo[r] && col < s.hi[r];
                             if constexpr (PAGED) in = in && s.bt[(col >> bs_shift) - bt_first] >= 0;
                             out[(out_row0 + r) * ld + col] = in ? v : CPS_NEG_INF;
                         }
                     }
                     ++r;
-                    s0a = s0b = s1a = s1b = 0.f;
+                    hs[0] = hs[1] = hs[2] = hs[3] = 0.f;
                 }
             };
             if constexpr (WG) {
@@ -500,7 +519,6 @@ __device__ __forceinline__ void cps_idx_cta(
 
 // ---- prefill -------------------------------------------------------------------
 
-template <bool WG>
 __device__ __forceinline__ void cps_mqa_logits_body(
         const u8* __restrict__ q, const u8* __restrict__ kc, const float* __restrict__ ksc,
         const float* __restrict__ w, const int* __restrict__ ks, const int* __restrict__ ke,
@@ -518,16 +536,8 @@ __device__ __forceinline__ void cps_mqa_logits_body(
         s.hi[threadIdx.x] = min(ke[tok0 + threadIdx.x], N);
     }
     __syncthreads();
-    cps_idx_cta<128, WG, false, true, CPS_IDX_STAGES>(s, nrows, rpc, 1, H, hp, q, w, tok0, kc, ksc, 0, 0, 0,
+    cps_idx_cta<128, false, false, true, CPS_IDX_STAGES>(s, nrows, rpc, 1, H, hp, q, w, tok0, kc, ksc, 0, 0, 0,
                                 out, tok0, (long long)N, 0, N);
-}
-
-extern "C" __global__ void __launch_bounds__(CPS_IDX_THREADS, 3)
-cps_mqa_logits_wgmma(const u8* __restrict__ q, const u8* __restrict__ kc,
-                     const float* __restrict__ ksc, const float* __restrict__ w,
-                     const int* __restrict__ ks, const int* __restrict__ ke,
-                     float* __restrict__ out, int M, int N, int H, int hp, int nblocks) {
-    cps_mqa_logits_body<true>(q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks);
 }
 
 extern "C" __global__ void __launch_bounds__(CPS_IDX_THREADS, 3)
@@ -535,7 +545,7 @@ cps_mqa_logits_mma(const u8* __restrict__ q, const u8* __restrict__ kc,
                    const float* __restrict__ ksc, const float* __restrict__ w,
                    const int* __restrict__ ks, const int* __restrict__ ke,
                    float* __restrict__ out, int M, int N, int H, int hp, int nblocks) {
-    cps_mqa_logits_body<false>(q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks);
+    cps_mqa_logits_body(q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks);
 }
 
 // ---- paged decode --------------------------------------------------------------
@@ -592,16 +602,326 @@ __device__ __forceinline__ void cps_paged_body(
                                              bs_shift, piece_tiles);                          \
     }
 
-// _n64 / _n128: one chunk of 64 / 128 columns (weights in registers); _n128m: next_n rows
-// spread over several 128-column chunks (weights in smem); _sS: S key tiles in the ring
-// (the launcher's DECODE_STAGES = 3 for wgmma, MMA_STAGES = 4 for mma.sync).
+// _n64: one chunk of 64 columns (weights in registers); _n128m: chunks of 128 columns,
+// one or several (weights in smem: 5 CTAs an SM, measured faster than 4 with the weights
+// in registers); _sS: S key tiles in the ring (the launcher's DECODE_STAGES = 3 for
+// wgmma, MMA_STAGES = 4 for mma.sync).
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n64_s3, 64, true, true, 3, 6, false)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128_s3, 128, true, true, 3, 4, false)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128m_s3, 128, true, false, 3, 4, false)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128m_s3, 128, true, false, 3, 5, false)
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n64_s4, 64, false, true, 4, 3, false)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n128_s4, 128, false, true, 4, 3, false)
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n128m_s4, 128, false, false, 4, 3, false)
 // MXFP4 keys (pages of at least 64 keys: the contiguous tile path), wgmma only.
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n64_s3, 64, true, true, 3, 6, true)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n128_s3, 128, true, true, 3, 4, true)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n128m_s3, 128, true, false, 3, 4, true)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n128m_s3, 128, true, false, 3, 5, true)
+
+// ---- prefill, warp-specialized (sm_90a) ---------------------------------------------
+// Persistent CTAs (grid <= SMs) of CPS_IDX_WS_MATH math warpgroups and a producer
+// warpgroup (the last). The CTA takes query blocks blockIdx.x, + gridDim.x, ... of the reversed
+// block order (longest causal windows first, as cps_mqa_logits_*), 128 // hp tokens a
+// block as there.
+//   producer: per block, the rows' windows and the block's key range go into the Q
+//     slot's metadata, the query block and its column weights into the slot (two slots:
+//     the next block's queries load while this one's keys are scored); then the keys of
+//     [t_lo, t_hi) in stages of CPS_IDX_WS_KEYS (64 a math warpgroup) with their scales
+//     into a ring of CPS_IDX_WS_STAGES; then -inf outside [t_lo, t_hi) of the rows,
+//     while the math warpgroups still work through the ring.
+//   math warpgroup g: keys [64 g, 64 g + 64) of each stage against the whole query block,
+//     the products and the epilogue of cps_idx_cta (bit-identical logits); a quarter
+//     past t_hi is skipped.
+// mbarriers: QFULL[2] (128 cp.async-completion arrivals and 32 after the metadata
+// stores), QEMPTY[2] and KEMPTY[S] (every math thread, after its wgmma read the slot),
+// KFULL[S] (128 cp.async-completion arrivals). Keys past the rows' largest window end hi
+// are zero-filled and never read; they and every key outside a row's window score -inf.
+// CPS_IDX_WS_MATH and CPS_IDX_WS_STAGES are #defined by the launcher.
+#define CPS_IDX_WS_KEYS (CPS_IDX_TILE * CPS_IDX_WS_MATH)
+#define CPS_IDX_WS_MATH_THREADS (128 * CPS_IDX_WS_MATH)
+#define CPS_IDX_WS_THREADS (CPS_IDX_WS_MATH_THREADS + 128)
+// Registers a thread: launched at the cap of __launch_bounds__(THREADS, 1) (5 warps on
+// a scheduler: 96), the producer warpgroup gives back what the math warpgroups take.
+#define CPS_IDX_WS_LAUNCH_REGS 96
+#define CPS_IDX_WS_PRODUCER_REGS CPS_IDX_WS_PREGS
+#define CPS_IDX_WS_MATH_REGS CPS_IDX_WS_MREGS
+static_assert(128 * CPS_IDX_WS_PRODUCER_REGS + CPS_IDX_WS_MATH_THREADS * CPS_IDX_WS_MATH_REGS
+                  <= CPS_IDX_WS_THREADS * CPS_IDX_WS_LAUNCH_REGS,
+              "setmaxnreg split exceeds the CTA's register pool");
+#define CPS_IDX_WS_ROWS 16                 // tokens a block: 128 // hp with hp >= 8
+
+struct CpsIdxWsMeta {
+    int lo[CPS_IDX_WS_ROWS], hi[CPS_IDX_WS_ROWS];   // row windows (empty past nrows)
+    int t_lo, t_hi, nst, nrows;                     // visited keys, their stages, rows
+};
+
+// Shared memory, from a 1024-aligned base: Q slots [2][128 rows][128 B] (swizzled), key
+// ring [S][KEYS][128 B] (swizzled), key scales [S][KEYS], weights [2][128], metadata [2],
+// mbarriers QFULL[2], QEMPTY[2], KFULL[S], KEMPTY[S]. (indexer.py's ws_smem_bytes.)
+#define CPS_IDX_WS_OFF_K (2 * 128 * CPS_IDX_D)
+#define CPS_IDX_WS_OFF_KS (CPS_IDX_WS_OFF_K + CPS_IDX_WS_STAGES * CPS_IDX_WS_KEYS * CPS_IDX_D)
+#define CPS_IDX_WS_OFF_W (CPS_IDX_WS_OFF_KS + CPS_IDX_WS_STAGES * CPS_IDX_WS_KEYS * 4)
+#define CPS_IDX_WS_OFF_META (CPS_IDX_WS_OFF_W + 2 * 128 * 4)
+#define CPS_IDX_WS_OFF_BAR (CPS_IDX_WS_OFF_META + 2 * (int)sizeof(CpsIdxWsMeta))
+#define CPS_IDX_WS_SMEM (1024 + CPS_IDX_WS_OFF_BAR + (4 + 2 * CPS_IDX_WS_STAGES) * 8)
+static_assert(CPS_IDX_WS_SMEM == CPS_IDX_WS_SMEM_LAUNCH,
+              "the launcher's ws_smem_bytes() is not the layout the kernel carves");
+
+// HPC: the padded head count the kernel is built for (the launcher picks it only for that
+// hp), 0 for any (hp from the launch). With it the math warpgroups' rows are compile-time
+// constants: a straight-line epilogue, the row windows in registers, and a key quarter
+// inside every row's window stored without checks.
+template <int HPC>
+__device__ __forceinline__ void cps_mqa_logits_ws_body(
+        const u8* __restrict__ q, const u8* __restrict__ kc, const float* __restrict__ ksc,
+        const float* __restrict__ w, const int* __restrict__ ks, const int* __restrict__ ke,
+        float* __restrict__ out, int M, int N, int H, int hp, int nblocks) {
+    extern __shared__ u8 cps_idx_ws_smem_raw[];
+    u8* base = cps_idx_ws_smem_raw + ((1024u - (cps_smem_u32(cps_idx_ws_smem_raw) & 1023u)) & 1023u);
+    const u32 sbase = cps_smem_u32(base);
+    float* s_ks = reinterpret_cast<float*>(base + CPS_IDX_WS_OFF_KS);
+    float* s_w = reinterpret_cast<float*>(base + CPS_IDX_WS_OFF_W);
+    CpsIdxWsMeta* meta = reinterpret_cast<CpsIdxWsMeta*>(base + CPS_IDX_WS_OFF_META);
+    const u32 bar = sbase + CPS_IDX_WS_OFF_BAR;
+    // QFULL[i] = bar + 8 i, QEMPTY[i] = bar + 16 + 8 i, KFULL[i] = bar + 32 + 8 i,
+    // KEMPTY[i] = bar + 32 + 8 S + 8 i
+    const u32 kfull = bar + 32, kempty = bar + 32 + 8 * CPS_IDX_WS_STAGES;
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int rpc = 128 / hp;
+    if (tid == 0) {
+        for (int i = 0; i < 2; ++i) {
+            cps_mbar_init(bar + 8 * i, 128 + 32);
+            cps_mbar_init(bar + 16 + 8 * i, CPS_IDX_WS_MATH_THREADS);
+        }
+        for (int i = 0; i < CPS_IDX_WS_STAGES; ++i) {
+            cps_mbar_init(kfull + 8 * i, 128);
+            cps_mbar_init(kempty + 8 * i, CPS_IDX_WS_MATH_THREADS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (tid >= CPS_IDX_WS_MATH_THREADS) {
+        // ---- producer warpgroup ----
+        // (Its 4 warps sit on the 4 schedulers: one warp alone, sharing a scheduler with
+        // 4 math warps, issued the copies too slowly: 2.6x the time of the whole kernel.)
+        cps_setmaxnreg_dec<CPS_IDX_WS_PRODUCER_REGS>();
+        const int ptid = tid - CPS_IDX_WS_MATH_THREADS;
+        // Thread ptid moves bytes [16 ptid, +16) of each 2 KB of a stage's codes: key row
+        // 16 it + rr, chunk ptid % 8 (constant offsets, as cps_idx_cta's tiles).
+        const int rr = ptid >> 3;
+        const u32 dst_off = rr * CPS_IDX_D + (((ptid & 7) ^ (rr & 7)) << 4);
+        int kv = 0;                                   // stages issued so far
+        for (int it = 0;; ++it) {
+            const int i = (int)blockIdx.x + it * (int)gridDim.x;
+            if (i >= nblocks) break;
+            const long long tok0 = (long long)(nblocks - 1 - i) * rpc;
+            const int nrows = (int)min((long long)rpc, (long long)M - tok0);
+            const int qs = it & 1;
+            cps_mbar_wait(bar + 16 + 8 * qs, ((it >> 1) & 1) ^ 1);
+            // Windows clamped to the keys that exist (production mode: no host check);
+            // every producer warp works them out, warp 0 writes them.
+            int a = 0, b = 0;
+            if (lane < nrows) {
+                a = max(ks[tok0 + lane], 0);
+                b = min(ke[tok0 + lane], N);
+            }
+            const int lo = __reduce_min_sync(0xffffffffu, b > a ? a : 0x7FFFFFFF);
+            const int hi = __reduce_max_sync(0xffffffffu, b > a ? b : -1);
+            int t_lo = 0, t_hi = 0, nst = 0;
+            if (hi > lo) {
+                t_lo = lo & ~(CPS_IDX_TILE - 1);
+                t_hi = min(t_lo + (hi - t_lo + CPS_IDX_TILE - 1) / CPS_IDX_TILE * CPS_IDX_TILE, N);
+                nst = (t_hi - t_lo + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
+            }
+            if (ptid < 32) {
+                CpsIdxWsMeta& m = meta[qs];
+                if (lane < CPS_IDX_WS_ROWS) {
+                    m.lo[lane] = a;
+                    m.hi[lane] = b;
+                }
+                if (lane == 0) {
+                    m.t_lo = t_lo;
+                    m.t_hi = t_hi;
+                    m.nst = nst;
+                    m.nrows = nrows;
+                }
+            }
+            // Query block: column n = row * hp + head (zero past H and past the rows).
+            const u32 sq = sbase + qs * 128 * CPS_IDX_D;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int idx = j * 128 + ptid;
+                const int n = idx >> 3, c = idx & 7;
+                const int rl = n / hp, h = n - rl * hp;
+                const bool valid = rl < nrows && h < H;
+                const u8* src = valid ? q + ((tok0 + rl) * H + h) * CPS_IDX_D + c * 16 : q;
+                cps_cp_async16(sq + n * CPS_IDX_D + ((c ^ (n & 7)) << 4), src, valid);
+            }
+            {
+                const int rl = ptid / hp, h = ptid - rl * hp;
+                const bool valid = rl < nrows && h < H;
+                cps_cp_async4(sbase + CPS_IDX_WS_OFF_W + (qs * 128 + ptid) * 4,
+                              valid ? w + (tok0 + rl) * H + h : w, valid);
+            }
+            cps_mbar_arrive_cp_async(bar + 8 * qs);
+            if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);   // (after the metadata stores)
+            for (int j = 0; j < nst; ++j, ++kv) {
+                const int st = kv % CPS_IDX_WS_STAGES;
+                cps_mbar_wait(kempty + 8 * st, ((kv / CPS_IDX_WS_STAGES) & 1) ^ 1);
+                const int t0 = t_lo + j * CPS_IDX_WS_KEYS;
+                const u32 kdst = sbase + CPS_IDX_WS_OFF_K + st * (CPS_IDX_WS_KEYS * CPS_IDX_D);
+                const u8* src = kc + (long long)t0 * CPS_IDX_D + ptid * 16;
+                const int lim = hi - t0 - rr;             // rows 16 it + rr < hi - t0 are keys
+#pragma unroll
+                for (int r = 0; r < CPS_IDX_WS_KEYS / 16; ++r) {
+                    const bool valid = 16 * r < lim;
+                    cps_cp_async16(kdst + r * 2048 + dst_off, valid ? src + r * 2048 : kc, valid);
+                }
+                const u32 sdst = sbase + CPS_IDX_WS_OFF_KS + st * (CPS_IDX_WS_KEYS * 4);
+#pragma unroll
+                for (int r = 0; r < CPS_IDX_WS_KEYS / 128; ++r) {
+                    const int key = 128 * r + ptid;
+                    const bool valid = t0 + key < hi;
+                    cps_cp_async4(sdst + key * 4, valid ? ksc + t0 + key : ksc, valid);
+                }
+                cps_mbar_arrive_cp_async(kfull + 8 * st);
+            }
+            // -inf outside the visited keys (the math warpgroups write [t_lo, t_hi)).
+            for (int r = 0; r < nrows; ++r) {
+                float* row = out + (tok0 + r) * (long long)N;
+                cps_fill_neg_inf<128>(row, 0, t_lo, ptid);
+                cps_fill_neg_inf<128>(row, t_hi, N, ptid);
+            }
+        }
+        cps_cp_async_wait_all();
+        return;
+    }
+
+    // ---- math warpgroups ----
+    cps_setmaxnreg_inc<CPS_IDX_WS_MATH_REGS>();
+    // (Through a shuffle from lane 0 the compiler knows them warp-uniform: the wgmma
+    // descriptors built from them stay in uniform registers.)
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const int warp = __shfl_sync(0xffffffffu, (tid >> 5) & 3, 0);
+    const int g = lane >> 2, t = lane & 3;
+    const int key0 = 16 * warp + g;                   // this thread's keys: key0, key0 + 8
+    // Bit i: a row's columns end with column group i (8 columns).
+    u32 done_mask = 0;
+    for (int k = 1; k <= rpc; ++k) {
+        const int e = k * hp / 8 - 1;
+        if (e < 16) done_mask |= 1u << e;
+    }
+    int kv = 0;
+    float acc[64];
+    const u64 da0 = cps_wgmma_desc(sbase + CPS_IDX_WS_OFF_K + wg * (CPS_IDX_TILE * CPS_IDX_D), 0, 1024);
+    const u64 db0 = cps_wgmma_desc(sbase, 0, 1024);
+    for (int it = 0;; ++it) {
+        const int i = (int)blockIdx.x + it * (int)gridDim.x;
+        if (i >= nblocks) break;
+        const long long tok0 = (long long)(nblocks - 1 - i) * rpc;
+        const int qs = it & 1;
+        cps_mbar_wait(bar + 8 * qs, (it >> 1) & 1);
+        const CpsIdxWsMeta& m = meta[qs];
+        const int t_lo = m.t_lo, t_hi = m.t_hi, nst = m.nst, nrows = m.nrows;
+        // Column weights read from smem per column group (in registers, 32 more a thread,
+        // the math warpgroups spill at their 112); the rows' windows in registers when the
+        // row count is known (HPC).
+        const float* wq = s_w + qs * 128 + 2 * t;
+        int rlo[HPC > 0 ? 128 / HPC : 1], rhi[HPC > 0 ? 128 / HPC : 1];
+        int lo_all = -0x7FFFFFFF, hi_all = 0x7FFFFFFF;   // keys inside every row's window
+        float* rowp[HPC > 0 ? 128 / HPC : 1];
+        if constexpr (HPC > 0) {
+#pragma unroll
+            for (int r = 0; r < 128 / HPC; ++r) {
+                rlo[r] = m.lo[r];
+                rhi[r] = m.hi[r];
+                if (r < nrows) {
+                    lo_all = max(lo_all, rlo[r]);
+                    hi_all = min(hi_all, rhi[r]);
+                }
+                rowp[r] = out + (tok0 + r) * (long long)N + key0 + 8 * t;
+            }
+            hi_all = min(hi_all, t_hi);
+        }
+        for (int j = 0; j < nst; ++j, ++kv) {
+            const int st = kv % CPS_IDX_WS_STAGES;
+            cps_mbar_wait(kfull + 8 * st, (kv / CPS_IDX_WS_STAGES) & 1);
+            const int t0 = t_lo + j * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg;
+            const bool live = t0 < t_hi;               // (uniform in the warpgroup)
+            const float sk0 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0];
+            const float sk1 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0 + 8];
+            if (live) {
+                // The cp.async bytes -> the async proxy. (Without this fence the kernel
+                // measured 2-4% faster, as the attention kernels run, but the PTX model
+                // asks for it between generic-proxy writes and wgmma reads.)
+                cps_fence_proxy_async();
+                cps_wgmma_fence();
+                // Descriptors as offsets from the first stage's / slot's (the address
+                // field is the low 14 bits of bytes / 16; smem < 256 KB never carries).
+                const u64 da = da0 + (u64)((st * (CPS_IDX_WS_KEYS * CPS_IDX_D)) >> 4);
+                const u64 db = db0 + (u64)((qs * (128 * CPS_IDX_D)) >> 4);
+#pragma unroll
+                for (int k4 = 0; k4 < 4; ++k4)
+                    cps_wgmma_m64n128k32(acc, da + 2 * k4, db + 2 * k4, k4);
+                cps_wgmma_commit();
+                cps_wgmma_wait<0>();
+                cps_fence_regs(acc);
+            }
+            cps_mbar_arrive(kempty + 8 * st);
+            if (!live) continue;
+            if constexpr (HPC > 0) {
+                // A quarter inside every row's window stores without the window checks.
+                const bool whole = t0 >= lo_all && t0 + CPS_IDX_TILE <= hi_all;
+                // Rows of HPC / 8 column groups, known at compile time: straight-line code.
+                constexpr int GPR = HPC / 8;
+#pragma unroll
+                for (int r = 0; r < 128 / HPC; ++r) {
+                    float hs[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int gi = 0; gi < GPR; ++gi) {
+                        const int i2 = r * GPR + gi;
+                        const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * i2);
+                        cps_head_sum_add(hs, wv.x, wv.y, acc[4 * i2], acc[4 * i2 + 1],
+                                         acc[4 * i2 + 2], acc[4 * i2 + 3]);
+                    }
+                    const float2 v = cps_head_sum_finish(hs, sk0, sk1);
+                    const int col = t0 + key0 + 8 * t;
+                    if (whole) {
+                        if (r < nrows && t < 2) rowp[r][t0] = t ? v.y : v.x;
+                    } else if (r < nrows && t < 2 && col < t_hi) {
+                        const bool in = col >= rlo[r] && col < rhi[r];
+                        out[(tok0 + r) * (long long)N + col] = in ? (t ? v.y : v.x) : CPS_NEG_INF;
+                    }
+                }
+            } else {
+                float hs[4] = {0.f, 0.f, 0.f, 0.f};
+                int r = 0;
+#pragma unroll
+                for (int i2 = 0; i2 < 16; ++i2) {
+                    const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * i2);
+                    cps_head_sum_add(hs, wv.x, wv.y, acc[4 * i2], acc[4 * i2 + 1], acc[4 * i2 + 2],
+                                     acc[4 * i2 + 3]);
+                    if ((done_mask >> i2) & 1u) {
+                        const float2 v = cps_head_sum_finish(hs, sk0, sk1);
+                        const int col = t0 + key0 + 8 * t;
+                        if (r < nrows && t < 2 && col < t_hi) {
+                            const bool in = col >= m.lo[r] && col < m.hi[r];
+                            out[(tok0 + r) * (long long)N + col] = in ? (t ? v.y : v.x) : CPS_NEG_INF;
+                        }
+                        ++r;
+                        hs[0] = hs[1] = hs[2] = hs[3] = 0.f;
+                    }
+                }
+            }
+        }
+        cps_mbar_arrive(bar + 16 + 8 * qs);
+    }
+}
+
+// _ws: any padded head count (hp | 128 or not); _ws_h64: hp = 64 (2 query tokens a block).
+#define CPS_MQA_WS_KERNEL(NAME, HPC)                                                          \
+    extern "C" __global__ void __launch_bounds__(CPS_IDX_WS_THREADS, 1)                       \
+    NAME(const u8* __restrict__ q, const u8* __restrict__ kc, const float* __restrict__ ksc,  \
+         const float* __restrict__ w, const int* __restrict__ ks, const int* __restrict__ ke, \
+         float* __restrict__ out, int M, int N, int H, int hp, int nblocks) {                 \
+        cps_mqa_logits_ws_body<HPC>(q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks);        \
+    }
+CPS_MQA_WS_KERNEL(cps_mqa_logits_ws, 0)
+CPS_MQA_WS_KERNEL(cps_mqa_logits_ws_h64, 64)

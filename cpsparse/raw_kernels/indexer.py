@@ -30,14 +30,33 @@ DECODE_STAGES = 3        # key tiles in the ring of a wgmma decode CTA (measured
 MMA_STAGES = 4           # ... of an mma.sync decode CTA
 MAX_ROWS = 64            # query rows per CTA                           (CPS_IDX_MAX_ROWS)
 BT_CAP = 256             # page ids per decode piece                    (CPS_IDX_BT_CAP)
+WS_MATH = 4              # math warpgroups of the warp-specialized prefill CTA (CPS_IDX_WS_MATH)
+WS_STAGES = 4            # key stages (64 * WS_MATH keys) in its ring         (CPS_IDX_WS_STAGES)
+WS_THREADS = 128 * WS_MATH + 128    # ... and a producer warpgroup
+WS_PRODUCER_REGS = 32    # setmaxnreg split of its 640 x 96 launch registers (CPS_IDX_WS_PREGS)
+WS_MATH_REGS = 112       #                                                    (CPS_IDX_WS_MREGS)
 MAX_QROWS = 512          # next_n * hp columns per decode CTA
 MAX_PIECE_TILES = 128
+
+
+def ws_smem_bytes(stages=WS_STAGES, math=WS_MATH):
+    """Dynamic shared memory of the warp-specialized prefill CTA (CPS_IDX_WS_SMEM, which
+    a static_assert holds to this): 2 query slots, the key ring and its scales, 2 weight
+    slots, 2 metadata records (36 ints), 4 + 2 * stages mbarriers, the 1024-byte
+    alignment slack."""
+    keys = TILE * math
+    return (1024 + 2 * 128 * D + stages * keys * (D + 4) + 2 * 128 * 4 + 2 * 36 * 4
+            + (4 + 2 * stages) * 8)
+
 
 raw_kernels.register_module(
     "indexer", ["common.cuh", "hopper.cuh", "indexer.cu"], capabilities=raw_kernels.exactly((9, 0)),
     ops=("mqa_logits", "paged_mqa_logits"), needs="Hopper wgmma, compiled for sm_90a",
     defines=dict(CPS_IDX_D=D, CPS_IDX_TILE=TILE, CPS_IDX_THREADS=THREADS,
-                 CPS_IDX_STAGES=STAGES, CPS_IDX_MAX_ROWS=MAX_ROWS, CPS_IDX_BT_CAP=BT_CAP))
+                 CPS_IDX_STAGES=STAGES, CPS_IDX_MAX_ROWS=MAX_ROWS, CPS_IDX_BT_CAP=BT_CAP,
+                 CPS_IDX_WS_MATH=WS_MATH, CPS_IDX_WS_STAGES=WS_STAGES,
+                 CPS_IDX_WS_PREGS=WS_PRODUCER_REGS, CPS_IDX_WS_MREGS=WS_MATH_REGS,
+                 CPS_IDX_WS_SMEM_LAUNCH=ws_smem_bytes()))
 
 # C parameter lists (raw_kernels.Kernel letters).
 # cps_mqa_logits_*: q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks
@@ -85,10 +104,13 @@ def supports_prefill(q_codes, k_codes):
             and _aligned(q_codes, k_codes))
 
 
-def mqa_logits(cp, q_codes, k_codes, k_scales, weights, ks, ke, out=None, path=None):
+def mqa_logits(cp, q_codes, k_codes, k_scales, weights, ks, ke, out=None, path=None,
+               ctas=None):
     """float32 [M, N] logits; ``-inf`` outside ``[ks, ke)`` (see cpsparse.indexer).
 
-    The caller checked :func:`supports_prefill`.
+    The caller checked :func:`supports_prefill`. ``ctas`` (wgmma path): CTAs of the
+    persistent kernel, default one an SM (tests use fewer, so each CTA runs through
+    many query blocks and wraps its rings many times).
     """
     m, heads, dim = q_codes.shape
     n = k_codes.shape[0]
@@ -101,11 +123,20 @@ def mqa_logits(cp, q_codes, k_codes, k_scales, weights, ks, ke, out=None, path=N
     ks, ke = index_i32(cp, ks), index_i32(cp, ke)
     rows = 128 // hp
     nblocks = -(-m // rows)
-    smem = smem_bytes(128)
-    fn = _kernel(f"cps_mqa_logits_{_pick_path(path)}", MQA_ARGS, smem)
-    fn((nblocks,), (THREADS,),
-       (q_codes, k_codes, k_scales, weights, ks, ke, out, m, n, heads, hp, nblocks),
-       shared_mem=smem)
+    args = (q_codes, k_codes, k_scales, weights, ks, ke, out, m, n, heads, hp, nblocks)
+    path = _pick_path(path)
+    if path == "wgmma":
+        # Persistent: one CTA an SM over the query blocks (warp-specialized kernel).
+        smem = ws_smem_bytes()
+        fn = _kernel("cps_mqa_logits_ws_h64" if hp == 64 else "cps_mqa_logits_ws", MQA_ARGS, smem)
+        if ctas is not None and int(ctas) < 1:
+            raise ValueError(f"Invalid ctas: expected a positive CTA count, got {ctas}")
+        grid = min(nblocks, raw_kernels.device_facts().sms if ctas is None else int(ctas))
+        fn((grid,), (WS_THREADS,), args, shared_mem=smem)
+        return out
+    smem = smem_bytes(128)                         # mma.sync: a CTA a query block
+    fn = _kernel("cps_mqa_logits_mma", MQA_ARGS, smem)
+    fn((nblocks,), (THREADS,), args, shared_mem=smem)
     return out
 
 
@@ -113,7 +144,7 @@ def decode_plan(batch, next_n, heads, width, block_size, sms, smem_per_sm, stage
     """Launch shape of the paged kernel, or None when it does not cover the case.
 
     Returns (variant, nc, nch, hp, stages, piece_tiles, pieces): kernel variant
-    ("n64", "n128" or "n128m"), column chunk (64 or 128) and count, padded heads,
+    ("n64" or "n128m"), column chunk (64 or 128) and count, padded heads,
     ring depth, tiles (64 keys) per piece and pieces per request. Pure function of
     the shapes and the device (``sms``, ``smem_per_sm``): the op caches it per shape.
 
@@ -132,10 +163,13 @@ def decode_plan(batch, next_n, heads, width, block_size, sms, smem_per_sm, stage
     nch = -(-next_n // rpc)
     if nch * nc > MAX_QROWS:
         return None
-    variant = "n64" if nc == 64 else ("n128" if nch == 1 else "n128m")
+    # 128 columns: the weights in shared memory (n128m), not in registers: 90 registers a
+    # thread instead of 115, so 5 CTAs an SM instead of 4 (wgmma; B=64 x 32K, next_n 2 on
+    # the H200: 121.1 vs 122.6 us fp8, 170.3 vs 171.9 us MXFP4, bit-identical)
+    variant = "n64" if nc == 64 else "n128m"
     per_sm = smem_per_sm // (smem_bytes(nch * nc, stages) + 1024)
     if variant != "n64":
-        per_sm = min(per_sm, 4)                     # registers
+        per_sm = min(per_sm, 5)                     # registers (launch bounds 5)
     slots = max(1, sms * per_sm)
     tiles_w = -(-int(width) // TILE)
     cap = max(1, min(MAX_PIECE_TILES, (BT_CAP - 1) * bs // TILE))
