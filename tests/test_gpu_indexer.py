@@ -84,6 +84,14 @@ def _keys(rng, n):
 
 # ---- prefill -------------------------------------------------------------------
 
+def _prefill_inputs(cp, rng, heads, n, ks, ke):
+    """The float64 reference logits and the device inputs of len(ks) queries over n keys."""
+    q8, w = _queries(rng, (len(ks), heads, 128))
+    k8, sk = _keys(rng, n)
+    expect = ref.mqa_logits(q8, k8, sk, w, ks, ke)
+    return expect, [cp.asarray(a) for a in (q8, k8, sk, w, ks, ke)]
+
+
 def _prefill_batch(rng, requests):
     """(ks, ke, n_keys) for packed requests [(context, query_len), ...] (causal)."""
     ks, ke, cu = [], [], 0
@@ -103,16 +111,12 @@ def test_mqa_logits_matches_reference(cp, kin, heads):
     if heads == 64:
         requests = requests[1:]
     ks, ke, n = _prefill_batch(rng, requests)
-    m = ks.size
     # a few non-causal windows: empty, a single key, the last key, everything
     ks[3], ke[3] = 10, 10
     ks[5], ke[5] = n - 1, n
     ks[7], ke[7] = 0, n
     ks[9], ke[9] = 777, 778
-    q8, w = _queries(rng, (m, heads, 128))
-    k8, sk = _keys(rng, n)
-    expect = ref.mqa_logits(q8, k8, sk, w, ks, ke)
-    dev = [cp.asarray(a) for a in (q8, k8, sk, w, ks, ke)]
+    expect, dev = _prefill_inputs(cp, rng, heads, n, ks, ke)
     for path in PATHS:
         _check(_prefill(cp, kin, dev, path), expect, f"mqa_logits H={heads} path={path}")
     _check(cpsparse.indexer.mqa_logits(*dev), expect, f"public mqa_logits H={heads}")
@@ -124,10 +128,7 @@ def test_mqa_logits_tail_queries_long_keys(cp, kin):
     n, m, heads = 9000, 40, 64
     ks = np.full(m, 1000, np.int32)
     ke = (n - m + 1 + np.arange(m)).astype(np.int32)
-    q8, w = _queries(rng, (m, heads, 128))
-    k8, sk = _keys(rng, n)
-    expect = ref.mqa_logits(q8, k8, sk, w, ks, ke)
-    dev = [cp.asarray(a) for a in (q8, k8, sk, w, ks, ke)]
+    expect, dev = _prefill_inputs(cp, rng, heads, n, ks, ke)
     for path in PATHS:
         _check(_prefill(cp, kin, dev, path), expect, f"tail queries path={path}")
 
@@ -143,16 +144,13 @@ def test_mqa_logits_persistent_ctas_many_blocks(cp, kin, heads, ctas):
     kind = rng.integers(0, 5, m)
     ks = rng.integers(0, n, m)
     ke = np.minimum(ks + rng.integers(1, 700, m), n)
-    ks = np.where(kind == 0, ks, np.where(kind == 1, 0, ks))
+    ks = np.where(kind == 1, 0, ks)
     ke = np.where(kind == 0, ks, np.where(kind == 1, n, ke))       # empty / full
-    ke = np.where(kind == 2, np.minimum(ks + 1, n), ke)            # a single key
+    ke = np.where(kind == 2, ks + 1, ke)                           # a single key (ks < n)
     run = slice(m // 3, m // 3 + 40)                               # whole blocks empty
     ks[run], ke[run] = 5, 5
     ks, ke = ks.astype(np.int32), ke.astype(np.int32)
-    q8, w = _queries(rng, (m, heads, 128))
-    k8, sk = _keys(rng, n)
-    expect = ref.mqa_logits(q8, k8, sk, w, ks, ke)
-    dev = [cp.asarray(a) for a in (q8, k8, sk, w, ks, ke)]
+    expect, dev = _prefill_inputs(cp, rng, heads, n, ks, ke)
     out = cp.full((m, n), np.nan, dtype=cp.float32)
     kin.mqa_logits(cp, *dev, out=out, path="wgmma", ctas=ctas)
     _check(out, expect, f"persistent mqa_logits H={heads} ctas={ctas}")
@@ -171,10 +169,7 @@ def test_mqa_logits_few_keys_and_padded_heads(cp, kin, heads, n):
     ks = rng.integers(0, n, m).astype(np.int32)
     ke = np.minimum(ks + rng.integers(0, n + 1, m), n).astype(np.int32)
     ks[0], ke[0] = 0, n
-    q8, w = _queries(rng, (m, heads, 128))
-    k8, sk = _keys(rng, n)
-    expect = ref.mqa_logits(q8, k8, sk, w, ks, ke)
-    dev = [cp.asarray(a) for a in (q8, k8, sk, w, ks, ke)]
+    expect, dev = _prefill_inputs(cp, rng, heads, n, ks, ke)
     for path in PATHS:
         _check(_prefill(cp, kin, dev, path), expect, f"H={heads} N={n} path={path}")
 

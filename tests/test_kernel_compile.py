@@ -117,29 +117,23 @@ def test_module_compiles_without_spills(name):
     assert not serialized, "\n".join(serialized)
 
 
-@pytest.mark.parametrize("kernel", ["cps_sparse_mla_fp8", "cps_sparse_mla_model1",
-                                    "cps_sparse_mla_bf16"])
-def test_warp_specialized_attention_launches_with_the_pool_its_split_assumes(kernel):
-    # The attention kernels move registers between warpgroups with setmaxnreg; the
-    # increase blocks forever unless the CTA's pool (threads x registers at launch)
-    # covers the split, which attention.cu sizes for 168 registers a thread.
-    ok, log = compile_module("attention")
+@pytest.mark.parametrize("module,kernel,define", [
+    ("attention", "cps_sparse_mla_fp8", "ATT_LAUNCH_REGS"),
+    ("attention", "cps_sparse_mla_model1", "ATT_LAUNCH_REGS"),
+    ("attention", "cps_sparse_mla_bf16", "ATT_LAUNCH_REGS"),
+    ("indexer", "cps_mqa_logits_ws", "CPS_IDX_WS_LAUNCH_REGS"),
+    ("indexer", "cps_mqa_logits_ws_h64", "CPS_IDX_WS_LAUNCH_REGS"),
+])
+def test_warp_specialized_kernel_launches_with_the_pool_its_split_assumes(module, kernel, define):
+    # The warp-specialized kernels move registers between warpgroups with setmaxnreg;
+    # the increase blocks forever unless the CTA's pool (threads x registers at launch)
+    # covers the split, which the source sizes for `define` registers a thread
+    # (attention: 384 threads, 168; prefill scoring: 640 threads, 5 warps a scheduler, 96).
+    ok, log = compile_module(module)
     assert ok, log
     regs = kernel_reports(log)[kernel][0]
-    src = raw_kernels.module_source("attention")
-    launch = int(re.search(r"#define ATT_LAUNCH_REGS (\d+)", src).group(1))
-    assert regs == launch, f"{kernel} uses {regs} registers, the split assumes {launch}"
-
-
-@pytest.mark.parametrize("kernel", ["cps_mqa_logits_ws", "cps_mqa_logits_ws_h64"])
-def test_warp_specialized_prefill_scoring_launches_with_the_pool_its_split_assumes(kernel):
-    # The same for the persistent prefill scoring kernels (4 math warpgroups and a
-    # producer warpgroup: 5 warps a scheduler, 96 registers a thread at launch).
-    ok, log = compile_module("indexer")
-    assert ok, log
-    regs = kernel_reports(log)[kernel][0]
-    src = raw_kernels.module_source("indexer")
-    launch = int(re.search(r"#define CPS_IDX_WS_LAUNCH_REGS (\d+)", src).group(1))
+    src = raw_kernels.module_source(module)
+    launch = int(re.search(rf"#define {define} (\d+)", src).group(1))
     assert regs == launch, f"{kernel} uses {regs} registers, the split assumes {launch}"
 
 

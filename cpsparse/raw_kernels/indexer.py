@@ -127,10 +127,10 @@ def mqa_logits(cp, q_codes, k_codes, k_scales, weights, ks, ke, out=None, path=N
     path = _pick_path(path)
     if path == "wgmma":
         # Persistent: one CTA an SM over the query blocks (warp-specialized kernel).
-        smem = ws_smem_bytes()
-        fn = _kernel("cps_mqa_logits_ws_h64" if hp == 64 else "cps_mqa_logits_ws", MQA_ARGS, smem)
         if ctas is not None and int(ctas) < 1:
             raise ValueError(f"Invalid ctas: expected a positive CTA count, got {ctas}")
+        smem = ws_smem_bytes()
+        fn = _kernel("cps_mqa_logits_ws_h64" if hp == 64 else "cps_mqa_logits_ws", MQA_ARGS, smem)
         grid = min(nblocks, raw_kernels.device_facts().sms if ctas is None else int(ctas))
         fn((grid,), (WS_THREADS,), args, shared_mem=smem)
         return out
