@@ -268,10 +268,12 @@ def test_paged_graph_capture(cp, kin):
 @pytest.mark.parametrize("heads,next_n,block_size", [(64, 1, 64), (64, 2, 64), (32, 1, 128),
                                                     (64, 4, 64), (16, 2, 256)])
 def test_mxfp4_paged_kernel_matches_reference(cp, kin, heads, next_n, block_size):
-    """The MXFP4 decode kernel (e2m1 expanded to e4m3 in shared memory, the fp8 wgmma
-    path) against the reference on the same pages: ragged contexts, a key whose
-    groups' scales span 2**-20 (the folded exponents round the small group to 0),
-    a bad page id with value checks off (masked, never read), every plan variant."""
+    """The MXFP4 decode kernel (e2m1 expanded to e4m3 A fragments in registers, the fp8
+    wgmma path) against the reference on the same pages: ragged contexts, a key whose
+    groups' scales span 2**-20 (the folded exponents round the small group to 0), a third
+    of the keys with groups 2**0 .. 2**-9 below their largest (the expansion's integer
+    table down to 2**-5, its converted one below), a bad page id with value checks off
+    (masked, never read), every plan variant."""
     rng = np.random.default_rng(heads + next_n + block_size)
     d, batch = 128, 3
     width = 6 * 1024
@@ -279,6 +281,8 @@ def test_mxfp4_paged_kernel_matches_reference(cp, kin, heads, next_n, block_size
     nb = batch * pages_per + 2
     n = nb * block_size
     k = (rng.standard_normal((n, d)) * rng.uniform(0.3, 3.0, (n, 1))).astype(np.float32)
+    spread = rng.random(n) < 1 / 3
+    k[spread] *= np.repeat(2.0 ** -rng.integers(0, 10, (int(spread.sum()), 4)), 32, axis=1)
     k[5, 32:64] *= 2.0 ** -20
     host = cpsparse.IndexerKCache(nb, block_size, d, dtype="mxfp4")
     host.insert(k, np.arange(nb * block_size, dtype=np.int32))

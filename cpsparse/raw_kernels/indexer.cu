@@ -49,19 +49,46 @@ __device__ __forceinline__ void cps_cp_async4(u32 dst, const void* src, bool val
 
 // ---- wgmma (sm_90a; CPS_HAS_WGMMA and the shared helpers in hopper.cuh) -----------
 
+// The accumulator operands of an m64nN wgmma (N / 2 floats a thread): the register
+// list of the instruction text and the asm outputs.
+#define CPS_IDX_ACC32_REGS \
+    "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+    "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+#define CPS_IDX_ACC32_OUT(d) \
+    "+f"((d)[0]), "+f"((d)[1]), "+f"((d)[2]), "+f"((d)[3]), "+f"((d)[4]), "+f"((d)[5]), \
+    "+f"((d)[6]), "+f"((d)[7]), "+f"((d)[8]), "+f"((d)[9]), "+f"((d)[10]), "+f"((d)[11]), \
+    "+f"((d)[12]), "+f"((d)[13]), "+f"((d)[14]), "+f"((d)[15]), "+f"((d)[16]), \
+    "+f"((d)[17]), "+f"((d)[18]), "+f"((d)[19]), "+f"((d)[20]), "+f"((d)[21]), \
+    "+f"((d)[22]), "+f"((d)[23]), "+f"((d)[24]), "+f"((d)[25]), "+f"((d)[26]), \
+    "+f"((d)[27]), "+f"((d)[28]), "+f"((d)[29]), "+f"((d)[30]), "+f"((d)[31])
+#define CPS_IDX_ACC64_REGS \
+    "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+    "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
+    "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
+    "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+#define CPS_IDX_ACC64_OUT(d) \
+    "+f"((d)[0]), "+f"((d)[1]), "+f"((d)[2]), "+f"((d)[3]), "+f"((d)[4]), "+f"((d)[5]), \
+    "+f"((d)[6]), "+f"((d)[7]), "+f"((d)[8]), "+f"((d)[9]), "+f"((d)[10]), "+f"((d)[11]), \
+    "+f"((d)[12]), "+f"((d)[13]), "+f"((d)[14]), "+f"((d)[15]), "+f"((d)[16]), \
+    "+f"((d)[17]), "+f"((d)[18]), "+f"((d)[19]), "+f"((d)[20]), "+f"((d)[21]), \
+    "+f"((d)[22]), "+f"((d)[23]), "+f"((d)[24]), "+f"((d)[25]), "+f"((d)[26]), \
+    "+f"((d)[27]), "+f"((d)[28]), "+f"((d)[29]), "+f"((d)[30]), "+f"((d)[31]), \
+    "+f"((d)[32]), "+f"((d)[33]), "+f"((d)[34]), "+f"((d)[35]), "+f"((d)[36]), \
+    "+f"((d)[37]), "+f"((d)[38]), "+f"((d)[39]), "+f"((d)[40]), "+f"((d)[41]), \
+    "+f"((d)[42]), "+f"((d)[43]), "+f"((d)[44]), "+f"((d)[45]), "+f"((d)[46]), \
+    "+f"((d)[47]), "+f"((d)[48]), "+f"((d)[49]), "+f"((d)[50]), "+f"((d)[51]), \
+    "+f"((d)[52]), "+f"((d)[53]), "+f"((d)[54]), "+f"((d)[55]), "+f"((d)[56]), \
+    "+f"((d)[57]), "+f"((d)[58]), "+f"((d)[59]), "+f"((d)[60]), "+f"((d)[61]), \
+    "+f"((d)[62]), "+f"((d)[63])
+
 __device__ __forceinline__ void cps_wgmma_m64n64k32(float* d, u64 da, u64 db, int scale_d) {
 #if CPS_HAS_WGMMA
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
-        "%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
-          "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
-          "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
-          "+f"(d[31])
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+        CPS_IDX_ACC32_REGS
+        "}, %32, %33, p, 1, 1;\n}\n"
+        : CPS_IDX_ACC32_OUT(d)
         : "l"(da), "l"(db), "r"(scale_d));
 #else
     CPS_WGMMA_MISSING();
@@ -72,23 +99,44 @@ __device__ __forceinline__ void cps_wgmma_m64n128k32(float* d, u64 da, u64 db, i
 #if CPS_HAS_WGMMA
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
-        "%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,"
-        "%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-        "%64, %65, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
-          "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
-          "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
-          "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-          "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),
-          "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),
-          "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]),
-          "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+        CPS_IDX_ACC64_REGS
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : CPS_IDX_ACC64_OUT(d)
         : "l"(da), "l"(db), "r"(scale_d));
+#else
+    CPS_WGMMA_MISSING();
+#endif
+}
+
+// A from registers (MXFP4 keys expanded to e4m3 in registers): a[0..3] hold k-bytes
+// [4t, 4t + 4) of rows g and g + 8, then [16 + 4t, 20 + 4t) of the same rows (lane
+// 4 g + t of each warp's 16 rows), as the A fragment of mma.sync m16n8k32.
+__device__ __forceinline__ void cps_wgmma_m64n64k32_rs(float* d, const u32* a, u64 db,
+                                                         int scale_d) {
+#if CPS_HAS_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+        CPS_IDX_ACC32_REGS
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+        : CPS_IDX_ACC32_OUT(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+#else
+    CPS_WGMMA_MISSING();
+#endif
+}
+
+__device__ __forceinline__ void cps_wgmma_m64n128k32_rs(float* d, const u32* a, u64 db,
+                                                         int scale_d) {
+#if CPS_HAS_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+        CPS_IDX_ACC64_REGS
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        : CPS_IDX_ACC64_OUT(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 #else
     CPS_WGMMA_MISSING();
 #endif
@@ -201,29 +249,33 @@ __device__ __forceinline__ u32 cps_e4m3x2(float lo, float hi) {
     return (u32)r;
 }
 
-// 16 bytes of packed e2m1 (32 values) to 32 e4m3 bytes scaled by 2**d (d <= 0): the
-// 8 magnitudes times 2**d are converted once (4 cvt), then each 4 codes pick their
-// bytes with one byte permute (selector = the 3 magnitude bits of each nibble) and
-// take their sign bits from bit 3 of each nibble.
-__device__ __forceinline__ void cps_e2m1x32_to_e4m3(uint4 p, int d, uint4& o0, uint4& o1) {
-    const float f = __uint_as_float((u32)(127 + max(d, -100)) << 23);    // 2**d
-    const u32 lut_lo = cps_e4m3x2(0.f, 0.5f * f) | (cps_e4m3x2(f, 1.5f * f) << 16);
-    const u32 lut_hi = cps_e4m3x2(2.f * f, 3.f * f) | (cps_e4m3x2(4.f * f, 6.f * f) << 16);
-    const u32 in[4] = {p.x, p.y, p.z, p.w};
-    u32 out[8];
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const u32 b = (in[w] >> (16 * half)) & 0xFFFFu;    // 4 codes, element order
-            const u32 mag = __byte_perm(lut_lo, lut_hi, b & 0x7777u);
-            const u32 sign = ((b & 0x8u) << 4) | ((b & 0x80u) << 8) | ((b & 0x800u) << 12)
-                             | ((b & 0x8000u) << 16);
-            out[2 * w + half] = mag | sign;
-        }
+// The e4m3 bytes of the 8 e2m1 magnitudes times 2**d (d <= 0) as a byte-permute table
+// (magnitude code m picks byte m of {lo, hi}). While every nonzero entry stays normal
+// (d >= -5: 0.5 * 2**-5 is e4m3's least normal, 2**-6) the exponent field just drops by
+// -d: two integer operations; below that they are converted (4 cvt, round to nearest
+// even, down to subnormals and 0). Both give the bytes cvt gives (the values are exact).
+__device__ __forceinline__ void cps_e2m1_table(int d, u32& lo, u32& hi) {
+    if (d >= -5) {
+        const u32 drop = (u32)(-d) << 3;                   // exponent field: bits 3..6
+        lo = 0x3C383000u - drop * 0x01010100u;             // 0, 0.5, 1, 1.5 (0 stays 0)
+        hi = 0x4C484440u - drop * 0x01010101u;             // 2, 3, 4, 6
+    } else {
+        const float f = __uint_as_float((u32)(127 + max(d, -100)) << 23);    // 2**d
+        lo = cps_e4m3x2(0.f, 0.5f * f) | (cps_e4m3x2(f, 1.5f * f) << 16);
+        hi = cps_e4m3x2(2.f * f, 3.f * f) | (cps_e4m3x2(4.f * f, 6.f * f) << 16);
     }
-    o0 = make_uint4(out[0], out[1], out[2], out[3]);
-    o1 = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+// Four e2m1 codes (the low 16 bits of b; nibble i is element i) to four e4m3 bytes (byte
+// i is element i): the magnitude from the table, the sign from bit 3 of each nibble.
+// prmt with a selector nibble's msb set replicates the selected byte's msb (its sign
+// mode), so permuting bytes 0x80 by the codes gives 0xFF where a code is negative and
+// 0x80 where not: bit 6 of each byte is the code's sign.
+__device__ __forceinline__ u32 cps_e2m1x4_to_e4m3(u32 b, u32 lo, u32 hi) {
+    const u32 mag = __byte_perm(lo, hi, b & 0x7777u);
+    u32 sgn;
+    asm("prmt.b32 %0, %1, %1, %2;" : "=r"(sgn) : "r"(0x80808080u), "r"(b));
+    return mag | ((sgn << 1) & 0x80808080u);
 }
 
 template <int NC, bool WG, bool PAGED, bool WREG, int STAGES, bool FP4 = false>
@@ -333,8 +385,8 @@ __device__ __forceinline__ void cps_idx_cta(
                     scales = reinterpret_cast<const u8*>(ksc + t0);
                 }
                 if constexpr (FP4) {
-                    // The 4 KB of packed codes go, unswizzled, to the tile's upper half;
-                    // the conversion pass expands them into the whole tile.
+                    // The 4 KB of packed codes go, unswizzled (key r at 64 r), to the
+                    // tile's upper half; each thread expands its A fragments from there.
 #pragma unroll
                     for (int it = 0; it < 2; ++it) {
                         const bool valid = 32 * it + (tid >> 2) < lim_keys;
@@ -397,33 +449,6 @@ __device__ __forceinline__ void cps_idx_cta(
         const int buf = j % STAGES;
         const int t0 = t_lo + j * CPS_IDX_TILE;
         const u32 a_addr = sk + buf * CPS_IDX_TILE_BYTES;
-        if constexpr (FP4) {
-            // Two threads a key: thread (r, h) expands values [64 h, 64 h + 64) of key r
-            // (groups 2h, 2h + 1) into its swizzled e4m3 row; the key's scale word
-            // becomes the float key scale 2**(E - 127).
-            const int r = tid >> 1, h = tid & 1;
-            u8* tile = s.k + buf * CPS_IDX_TILE_BYTES;
-            const uint4* src = reinterpret_cast<const uint4*>(
-                tile + CPS_IDX_TILE_BYTES / 2 + r * (CPS_IDX_D / 2) + h * 32);
-            const uint4 p0 = src[0], p1 = src[1];
-            const u32 word = reinterpret_cast<const u32*>(s.ks)[buf * CPS_IDX_TILE + r];
-            __syncthreads();                   // every packed byte read before any write
-            const int e0 = word & 0xFF, e1 = (word >> 8) & 0xFF, e2 = (word >> 16) & 0xFF,
-                      e3 = word >> 24;
-            const int e_max = max(max(e0, e1), max(e2, e3));
-            const int ea = h ? e2 : e0, eb = h ? e3 : e1;
-            u8* row = tile + r * CPS_IDX_D;
-            uint4 a, b;                        // one group at a time: few live registers
-            cps_e2m1x32_to_e4m3(p0, ea - e_max, a, b);
-            *reinterpret_cast<uint4*>(row + (((4 * h) ^ (r & 7)) << 4)) = a;
-            *reinterpret_cast<uint4*>(row + (((4 * h + 1) ^ (r & 7)) << 4)) = b;
-            cps_e2m1x32_to_e4m3(p1, eb - e_max, a, b);
-            *reinterpret_cast<uint4*>(row + (((4 * h + 2) ^ (r & 7)) << 4)) = a;
-            *reinterpret_cast<uint4*>(row + (((4 * h + 3) ^ (r & 7)) << 4)) = b;
-            if (h == 0) s.ks[buf * CPS_IDX_TILE + r] = __uint_as_float((u32)e_max << 23);
-            cps_fence_proxy_async();           // generic-proxy writes, read by wgmma
-            __syncthreads();
-        }
         // Decode: every key of the tile inside every row's window and on a present page (one
         // page a tile when contiguous): the epilogue stores without checks (uniform). Not in
         // prefill, whose causal windows rarely contain a whole tile for every row: there the
@@ -434,8 +459,43 @@ __device__ __forceinline__ void cps_idx_cta(
             whole = whole && contiguous && s.bt[(t0 >> bs_shift) - bt_first] >= 0;
         }
         const int key0 = 16 * warp + g;
-        const float sk0 = 0.5f * s.ks[buf * CPS_IDX_TILE + key0];
-        const float sk1 = 0.5f * s.ks[buf * CPS_IDX_TILE + key0 + 8];
+        float sk0, sk1;
+        // MXFP4: each thread expands its own A fragments (keys key0 and key0 + 8; of each
+        // 32-value group, which is one k-step, the values [4t, 4t + 4) and [16 + 4t,
+        // 20 + 4t)) from the packed codes into registers, group g's codes times
+        // 2**(e_g - E) with E the key's largest scale byte, and the key scale becomes
+        // 2**(E - 127): no expanded tile in shared memory and no barrier for it.
+        u32 afp4[FP4 ? 16 : 1];
+        if constexpr (FP4) {
+            const u8* codes = s.k + buf * CPS_IDX_TILE_BYTES + CPS_IDX_TILE_BYTES / 2;
+            const u32* words = reinterpret_cast<const u32*>(s.ks) + buf * CPS_IDX_TILE;
+#pragma unroll
+            for (int rh = 0; rh < 2; ++rh) {
+                const int r = key0 + 8 * rh;
+                const u32 word = words[r];
+                const int e_max = max(max(word & 0xFF, (word >> 8) & 0xFF),
+                                      max((word >> 16) & 0xFF, word >> 24));
+                const float ks_f = 0.5f * __uint_as_float((u32)e_max << 23);
+                if (rh == 0) sk0 = ks_f; else sk1 = ks_f;
+#pragma unroll
+                for (int ks = 0; ks < 4; ++ks) {
+                    // the group's 16 bytes; this lane's 4 + 4 codes are the (t & 1) half
+                    // of word t >> 1 and of word 2 + (t >> 1)
+                    const uint4 pk = *reinterpret_cast<const uint4*>(
+                        codes + r * (CPS_IDX_D / 2) + 16 * ks);
+                    const int sh = 16 * (t & 1);
+                    const u32 wl = ((t & 2) ? pk.y : pk.x) >> sh;
+                    const u32 wh = ((t & 2) ? pk.w : pk.z) >> sh;
+                    u32 lo, hi;
+                    cps_e2m1_table((int)((word >> (8 * ks)) & 0xFF) - e_max, lo, hi);
+                    afp4[FP4 ? 4 * ks + rh : 0] = cps_e2m1x4_to_e4m3(wl, lo, hi);
+                    afp4[FP4 ? 4 * ks + 2 + rh : 0] = cps_e2m1x4_to_e4m3(wh, lo, hi);
+                }
+            }
+        } else {
+            sk0 = 0.5f * s.ks[buf * CPS_IDX_TILE + key0];
+            sk1 = 0.5f * s.ks[buf * CPS_IDX_TILE + key0 + 8];
+        }
 
         u32 afr[WG ? 1 : 16];
         if constexpr (!WG) {
@@ -486,10 +546,16 @@ __device__ __forceinline__ void cps_idx_cta(
                 cps_wgmma_fence();
 #pragma unroll
                 for (int ks = 0; ks < 4; ++ks) {
-                    const u64 da = cps_wgmma_desc(a_addr + 32 * ks, 0, 1024);
                     const u64 db = cps_wgmma_desc(b_addr + 32 * ks, 0, 1024);
-                    if constexpr (NC == 64) cps_wgmma_m64n64k32(acc, da, db, ks);
-                    else cps_wgmma_m64n128k32(acc, da, db, ks);
+                    if constexpr (FP4) {
+                        const u32* a = &afp4[FP4 ? 4 * ks : 0];
+                        if constexpr (NC == 64) cps_wgmma_m64n64k32_rs(acc, a, db, ks);
+                        else cps_wgmma_m64n128k32_rs(acc, a, db, ks);
+                    } else {
+                        const u64 da = cps_wgmma_desc(a_addr + 32 * ks, 0, 1024);
+                        if constexpr (NC == 64) cps_wgmma_m64n64k32(acc, da, db, ks);
+                        else cps_wgmma_m64n128k32(acc, da, db, ks);
+                    }
                 }
                 cps_wgmma_commit();
                 cps_wgmma_wait<0>();
@@ -607,12 +673,14 @@ __device__ __forceinline__ void cps_paged_body(
 // in registers); _sS: S key tiles in the ring (the launcher's DECODE_STAGES = 3 for
 // wgmma, MMA_STAGES = 4 for mma.sync).
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n64_s3, 64, true, true, 3, 6, false)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128m_s3, 128, true, false, 3, 5, false)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128m_s3, 128, true, false, 3, CPS_IDX_N128M_MINB, false)
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n64_s4, 64, false, true, 4, 3, false)
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n128m_s4, 128, false, false, 4, 3, false)
-// MXFP4 keys (pages of at least 64 keys: the contiguous tile path), wgmma only.
+// MXFP4 keys (pages of at least 64 keys: the contiguous tile path), wgmma only; the
+// 128-column kernel at 4 CTAs an SM (its A fragments in registers: at 5 it spilled).
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n64_s3, 64, true, true, 3, 6, true)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n128m_s3, 128, true, false, 3, 5, true)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n128m_s3, 128, true, false, 3,
+                 CPS_IDX_N128M_FP4_MINB, true)
 
 // ---- prefill, warp-specialized (sm_90a) ---------------------------------------------
 // Persistent CTAs (grid <= SMs) of CPS_IDX_WS_MATH math warpgroups and a producer

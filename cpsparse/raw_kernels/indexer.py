@@ -36,6 +36,8 @@ WS_THREADS = 128 * WS_MATH + 128    # ... and a producer warpgroup
 WS_PRODUCER_REGS = 32    # setmaxnreg split of its 640 x 96 launch registers (CPS_IDX_WS_PREGS)
 WS_MATH_REGS = 112       #                                                    (CPS_IDX_WS_MREGS)
 MAX_QROWS = 512          # next_n * hp columns per decode CTA
+N128M_CTAS_PER_SM = 5    # launch bounds of the 128-column decode kernels (CPS_IDX_N128M_MINB)
+N128M_CTAS_PER_SM_FP4 = 4   # ... with MXFP4 keys (CPS_IDX_N128M_FP4_MINB)
 MAX_PIECE_TILES = 128
 
 
@@ -56,7 +58,8 @@ raw_kernels.register_module(
                  CPS_IDX_STAGES=STAGES, CPS_IDX_MAX_ROWS=MAX_ROWS, CPS_IDX_BT_CAP=BT_CAP,
                  CPS_IDX_WS_MATH=WS_MATH, CPS_IDX_WS_STAGES=WS_STAGES,
                  CPS_IDX_WS_PREGS=WS_PRODUCER_REGS, CPS_IDX_WS_MREGS=WS_MATH_REGS,
-                 CPS_IDX_WS_SMEM_LAUNCH=ws_smem_bytes()))
+                 CPS_IDX_WS_SMEM_LAUNCH=ws_smem_bytes(), CPS_IDX_N128M_MINB=N128M_CTAS_PER_SM,
+                 CPS_IDX_N128M_FP4_MINB=N128M_CTAS_PER_SM_FP4))
 
 # C parameter lists (raw_kernels.Kernel letters).
 # cps_mqa_logits_*: q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks
@@ -140,7 +143,8 @@ def mqa_logits(cp, q_codes, k_codes, k_scales, weights, ks, ke, out=None, path=N
     return out
 
 
-def decode_plan(batch, next_n, heads, width, block_size, sms, smem_per_sm, stages=DECODE_STAGES):
+def decode_plan(batch, next_n, heads, width, block_size, sms, smem_per_sm, stages=DECODE_STAGES,
+                fp4=False):
     """Launch shape of the paged kernel, or None when it does not cover the case.
 
     Returns (variant, nc, nch, hp, stages, piece_tiles, pieces): kernel variant
@@ -169,7 +173,10 @@ def decode_plan(batch, next_n, heads, width, block_size, sms, smem_per_sm, stage
     variant = "n64" if nc == 64 else "n128m"
     per_sm = smem_per_sm // (smem_bytes(nch * nc, stages) + 1024)
     if variant != "n64":
-        per_sm = min(per_sm, 5)                     # registers (launch bounds 5)
+        # registers: launch bounds 5, or 4 with MXFP4 keys (their expanded A fragments
+        # live in registers beside the 128-column accumulator: 113 a thread; at 5 CTAs an
+        # SM, 96, they spilled)
+        per_sm = min(per_sm, N128M_CTAS_PER_SM_FP4 if fp4 else N128M_CTAS_PER_SM)
     slots = max(1, sms * per_sm)
     tiles_w = -(-int(width) // TILE)
     cap = max(1, min(MAX_PIECE_TILES, (BT_CAP - 1) * bs // TILE))
@@ -200,7 +207,7 @@ def paged_plan(batch, next_n, heads, dim, width, block_size, path=None, fp4=Fals
         stages = DECODE_STAGES if path_ == "wgmma" else MMA_STAGES
         covered = dim == D and (not fp4 or (path_ == "wgmma" and block_size >= TILE))
         plan = None if not covered else decode_plan(batch, next_n, heads, width, block_size,
-                                                    facts.sms, facts.smem_per_sm, stages)
+                                                    facts.sms, facts.smem_per_sm, stages, fp4)
         fn = None
         if plan is not None:
             variant, nc, nch = plan[:3]
