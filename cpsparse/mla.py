@@ -309,6 +309,19 @@ def init_weights(config, seed=0, with_indexer=True):
 
 # ---- small array helpers (backend-generic) ----------------------------------
 
+def _matmul(xp, a, b):
+    """``a @ b``, float32. On NumPy through float64: float32 products are exact there, so
+    the float32 rounding of a sum hardly ever depends on the order BLAS adds in, which
+    changes with the number of rows (OpenBLAS picks its kernels by shape). A token's
+    projections then do not depend on which other tokens share the call, as context-
+    parallel ranks, each projecting only its own tokens, need to match one rank's top-k
+    rows exactly (with float32 BLAS they differed in the last bits, and near-ties at the
+    k-th score went the other way)."""
+    if xp is numpy:
+        return numpy.matmul(a.astype(numpy.float64), b.astype(numpy.float64)).astype(numpy.float32)
+    return xp.matmul(a, b)
+
+
 def _rms_norm(xp, x, weight, eps):
     var = (x * x).mean(axis=-1, keepdims=True)
     return (x / xp.sqrt(var + eps) * weight).astype(xp.float32)
@@ -389,8 +402,8 @@ class _Indexer:
         """(q codes [T, H, D], folded weights [T, H], keys [T, D] float32)."""
         c = self.config
         t, r = x.shape[0], c.qk_rope_head_dim
-        q = (q_c @ self.wq_b).reshape(t, c.index_n_heads, c.index_head_dim)
-        k = _layer_norm(xp, x @ self.wk, self.k_norm_w, self.k_norm_b, 1e-6)
+        q = _matmul(xp, q_c, self.wq_b).reshape(t, c.index_n_heads, c.index_head_dim)
+        k = _layer_norm(xp, _matmul(xp, x, self.wk), self.k_norm_w, self.k_norm_b, 1e-6)
         # RoPE on the first qk_rope_head_dim dims, in the configured layout (NeoX
         # halves for DeepSeek-V3.2, interleaved pairs for GLM).
         inter = c.indexer_rope_interleave
@@ -403,7 +416,7 @@ class _Indexer:
         q = xp.ascontiguousarray(q, dtype=xp.float32)
         q_codes, q_scales = quantize_fp8(q, block_size=c.index_head_dim,
                                          scale_fmt=c.index_scale_fmt, eps=INDEX_Q_EPS)
-        w = fold_weights(xp.ascontiguousarray(x @ self.weights_proj, dtype=xp.float32),
+        w = fold_weights(xp.ascontiguousarray(_matmul(xp, x, self.weights_proj)),
                          q_scales[..., 0], c.index_head_dim)
         return q_codes, w, xp.ascontiguousarray(k, dtype=xp.float32)
 
@@ -707,23 +720,22 @@ class DeepseekV32MLA:
         xp, c = self.xp, self.config
         tokens = x.shape[0]
         h, lora = c.num_heads, c.kv_lora_rank
-        q_c = _rms_norm(xp, x @ self.q_a_proj, self.q_a_layernorm, c.rms_norm_eps)
-        q = (q_c @ self.q_b_proj).reshape(tokens, h, c.qk_head_dim)
-        kv = x @ self.kv_a_proj
+        q_c = _rms_norm(xp, _matmul(xp, x, self.q_a_proj), self.q_a_layernorm, c.rms_norm_eps)
+        q = _matmul(xp, q_c, self.q_b_proj).reshape(tokens, h, c.qk_head_dim)
+        kv = _matmul(xp, x, self.kv_a_proj)
         kv_c = _rms_norm(xp, kv[:, :lora], self.kv_a_layernorm, c.rms_norm_eps)
         k_pe = _rope(xp, kv[:, lora:], positions, c.rope_theta, True)
         q_pe = _rope(xp, q[..., c.qk_nope_head_dim:], positions, c.rope_theta, True)
         # [T, H, nope] x [H, nope, L] -> [T, H, L]
-        q_abs = xp.matmul(q[..., :c.qk_nope_head_dim].transpose(1, 0, 2), self.w_uk)
+        q_abs = _matmul(xp, q[..., :c.qk_nope_head_dim].transpose(1, 0, 2), self.w_uk)
         q_full = xp.ascontiguousarray(
             xp.concatenate([q_abs.transpose(1, 0, 2), q_pe], axis=-1), dtype=xp.float32)
         return q_c, q_full, xp.ascontiguousarray(kv_c), xp.ascontiguousarray(k_pe)
 
     def _output(self, latent):
         xp, c = self.xp, self.config
-        out = xp.matmul(latent.transpose(1, 0, 2), self.w_uv).transpose(1, 0, 2)
-        return (out.reshape(latent.shape[0], c.num_heads * c.v_head_dim)
-                @ self.o_proj).astype(xp.float32)
+        out = _matmul(xp, latent.transpose(1, 0, 2), self.w_uv).transpose(1, 0, 2)
+        return _matmul(xp, out.reshape(latent.shape[0], c.num_heads * c.v_head_dim), self.o_proj)
 
     def _check_pcp_tokens(self, hidden_states, ctx, pcp_tokens):
         if pcp_tokens is None:
