@@ -236,11 +236,22 @@ __device__ __forceinline__ CpsIdxSmem cps_idx_carve(u8* raw, int q_rows, int sta
 // A key of D = 128 values is 64 bytes of packed e2m1 codes (the even element in the
 // low nibble) and one int32 of 4 ue8m0 scale bytes, one per 32 values. Hopper has no
 // fp4 MMA, but every e2m1 value times a power of two down to 2**-9 is an e4m3 value:
-// a group g with scale byte e_g is written into the e4m3 tile as
-// code * 2**(e_g - E), E = the key's largest scale byte, and the key scale becomes
+// a group g with scale byte e_g is expanded into the e4m3 A fragments (in registers,
+// cps_idx_cta) as code * 2**(e_g - E), E = the key's largest scale byte, and the key
+// scale becomes
 // 2**(E - 127), applied after the MMA like an fp8 key's. Exact unless a group is
 // more than 2**9 below the key's largest (its values then round to e4m3 subnormals
 // or 0: a relative error far below the e2m1 rounding of the large groups).
+
+// The MXFP4 kernels' order of the head dimension in the MMA (any permutation of it,
+// applied to both operands, leaves every dot product as it is): k-step ks, position
+// p = 16 piece + 4 t + j (the byte j of the A-fragment word of lane t) is value
+// 32 t + 8 ks + 4 piece + j, so lane t's values are group t (one scale) and 16
+// contiguous packed bytes. In 4-byte units: MMA unit u = 8 ks + 4 piece + t holds value
+// unit 8 t + 2 ks + piece (the query block is stored in this order).
+__host__ __device__ __forceinline__ int cps_fp4_unit(int u) {
+    return 8 * (u & 3) + 2 * (u >> 3) + ((u >> 2) & 1);
+}
 
 // Two floats to two e4m3 bytes (lo in the low byte), round to nearest even, saturating.
 __device__ __forceinline__ u32 cps_e4m3x2(float lo, float hi) {
@@ -319,14 +330,33 @@ __device__ __forceinline__ void cps_idx_cta(
     // Query block (cp.async group 0) and column weights.
     const int q_rows = nch * NC;
     const u32 sq = cps_smem_u32(s.q);
-    for (int idx = tid; idx < q_rows * 8; idx += CPS_IDX_THREADS) {
-        const int n = idx >> 3, c = idx & 7;
-        const int ch = n / NC, nn = n % NC;
-        const int rl = nn / hp, h = nn - rl * hp;
-        const int r = ch * rpc + rl;
-        const bool valid = rl < rpc && r < nrows && h < H;
-        const u8* src = valid ? q + ((q_row0 + r) * H + h) * CPS_IDX_D + c * 16 : q;
-        cps_cp_async16(sq + n * CPS_IDX_D + ((c ^ (n & 7)) << 4), src, valid);
+    // Two copies of the column decomposition (fp8: 16-byte copies; MXFP4: 4-byte ones
+    // in the MXFP4 order): one loop over both changed every decode kernel's SASS.
+    if constexpr (!FP4) {
+        for (int idx = tid; idx < q_rows * 8; idx += CPS_IDX_THREADS) {
+            const int n = idx >> 3, c = idx & 7;
+            const int ch = n / NC, nn = n % NC;
+            const int rl = nn / hp, h = nn - rl * hp;
+            const int r = ch * rpc + rl;
+            const bool valid = rl < rpc && r < nrows && h < H;
+            const u8* src = valid ? q + ((q_row0 + r) * H + h) * CPS_IDX_D + c * 16 : q;
+            cps_cp_async16(sq + n * CPS_IDX_D + ((c ^ (n & 7)) << 4), src, valid);
+        }
+    } else {
+        // MXFP4 keys: the head dimension in the MXFP4 order (cps_fp4_unit), 4 bytes a
+        // copy; byte unit u of a row (of the MMA's k order) holds query unit
+        // cps_fp4_unit(u).
+        for (int idx = tid; idx < q_rows * 32; idx += CPS_IDX_THREADS) {
+            const int n = idx >> 5, u = idx & 31;
+            const int ch = n / NC, nn = n % NC;
+            const int rl = nn / hp, h = nn - rl * hp;
+            const int r = ch * rpc + rl;
+            const bool valid = rl < rpc && r < nrows && h < H;
+            const u8* src =
+                valid ? q + ((q_row0 + r) * H + h) * CPS_IDX_D + 4 * cps_fp4_unit(u) : q;
+            cps_cp_async4(sq + n * CPS_IDX_D + ((((u >> 2) ^ (n & 7))) << 4) + 4 * (u & 3), src,
+                          valid);
+        }
     }
     cps_cp_async_commit();
     // Column weights: registers (one chunk: the thread's columns 8i + 2t + {0,1}) or smem.
@@ -460,11 +490,12 @@ __device__ __forceinline__ void cps_idx_cta(
         }
         const int key0 = 16 * warp + g;
         float sk0, sk1;
-        // MXFP4: each thread expands its own A fragments (keys key0 and key0 + 8; of each
-        // 32-value group, which is one k-step, the values [4t, 4t + 4) and [16 + 4t,
-        // 20 + 4t)) from the packed codes into registers, group g's codes times
-        // 2**(e_g - E) with E the key's largest scale byte, and the key scale becomes
-        // 2**(E - 127): no expanded tile in shared memory and no barrier for it.
+        // MXFP4: each thread expands its own A fragments (keys key0 and key0 + 8) from the
+        // packed codes into registers. In the MXFP4 k order (cps_fp4_unit) lane t's values
+        // of every k-step are group t of the key, 16 contiguous bytes: one shared load and
+        // one table (its codes times 2**(e_t - E), E the key's largest scale byte) a key;
+        // word ks holds k-step ks, its low half a[0] / a[1], its high half a[2] / a[3].
+        // The key scale becomes 2**(E - 127). No expanded tile in shared memory.
         u32 afp4[FP4 ? 16 : 1];
         if constexpr (FP4) {
             const u8* codes = s.k + buf * CPS_IDX_TILE_BYTES + CPS_IDX_TILE_BYTES / 2;
@@ -473,23 +504,19 @@ __device__ __forceinline__ void cps_idx_cta(
             for (int rh = 0; rh < 2; ++rh) {
                 const int r = key0 + 8 * rh;
                 const u32 word = words[r];
+                const uint4 pk =
+                    *reinterpret_cast<const uint4*>(codes + r * (CPS_IDX_D / 2) + 16 * t);
                 const int e_max = max(max(word & 0xFF, (word >> 8) & 0xFF),
                                       max((word >> 16) & 0xFF, word >> 24));
                 const float ks_f = 0.5f * __uint_as_float((u32)e_max << 23);
                 if (rh == 0) sk0 = ks_f; else sk1 = ks_f;
+                u32 lo, hi;
+                cps_e2m1_table((int)((word >> (8 * t)) & 0xFF) - e_max, lo, hi);
+                const u32 pw[4] = {pk.x, pk.y, pk.z, pk.w};
 #pragma unroll
                 for (int ks = 0; ks < 4; ++ks) {
-                    // the group's 16 bytes; this lane's 4 + 4 codes are the (t & 1) half
-                    // of word t >> 1 and of word 2 + (t >> 1)
-                    const uint4 pk = *reinterpret_cast<const uint4*>(
-                        codes + r * (CPS_IDX_D / 2) + 16 * ks);
-                    const int sh = 16 * (t & 1);
-                    const u32 wl = ((t & 2) ? pk.y : pk.x) >> sh;
-                    const u32 wh = ((t & 2) ? pk.w : pk.z) >> sh;
-                    u32 lo, hi;
-                    cps_e2m1_table((int)((word >> (8 * ks)) & 0xFF) - e_max, lo, hi);
-                    afp4[FP4 ? 4 * ks + rh : 0] = cps_e2m1x4_to_e4m3(wl, lo, hi);
-                    afp4[FP4 ? 4 * ks + 2 + rh : 0] = cps_e2m1x4_to_e4m3(wh, lo, hi);
+                    afp4[FP4 ? 4 * ks + rh : 0] = cps_e2m1x4_to_e4m3(pw[ks], lo, hi);
+                    afp4[FP4 ? 4 * ks + 2 + rh : 0] = cps_e2m1x4_to_e4m3(pw[ks] >> 16, lo, hi);
                 }
             }
         } else {
@@ -560,6 +587,7 @@ __device__ __forceinline__ void cps_idx_cta(
                 cps_wgmma_commit();
                 cps_wgmma_wait<0>();
                 cps_fence_regs(acc);
+                if constexpr (FP4) cps_fence_regs(afp4);     // the next tile rewrites them
 #pragma unroll
                 for (int i = 0; i < NC / 8; ++i)
                     epi(i, acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
