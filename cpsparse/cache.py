@@ -80,9 +80,9 @@ class IndexerKCache:
         element in the low nibble), then per key ``D / 32`` ue8m0 scale bytes
         padded to whole int32 words (see :mod:`cpsparse.reference.fp4`). The
         queries stay FP8. On CuPy, ``paged_mqa_logits`` runs a Hopper kernel over
-        it (pages of >= 64 keys: the e2m1 codes are expanded to e4m3 in shared
-        memory and fed to the fp8 wgmma path); insert, gather and prefill
-        scoring run the reference (with a warning).
+        it (pages of >= 64 keys: the e2m1 codes are expanded to e4m3 in registers
+        and fed to the fp8 wgmma path); insert, gather and prefill scoring run the
+        reference (with a warning).
 
     Examples
     --------

@@ -266,7 +266,7 @@ def test_paged_graph_capture(cp, kin):
 
 
 @pytest.mark.parametrize("heads,next_n,block_size", [(64, 1, 64), (64, 2, 64), (32, 1, 128),
-                                                    (64, 4, 64), (16, 2, 256)])
+                                                    (64, 4, 64), (16, 2, 256), (20, 3, 64)])
 def test_mxfp4_paged_kernel_matches_reference(cp, kin, heads, next_n, block_size):
     """The MXFP4 decode kernel (e2m1 expanded to e4m3 A fragments in registers, the fp8
     wgmma path) against the reference on the same pages: ragged contexts, a key whose

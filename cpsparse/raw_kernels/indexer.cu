@@ -34,7 +34,10 @@
 // same bytes feed either
 //   * WG = true : wgmma.m64nNCk32 e4m3 (sm_90a), both operands by smem descriptor, or
 //   * WG = false: mma.sync.m16n8k32 e4m3 with ldmatrix (any sm_89+).
-// The accumulator layout of both is the same, so they share the epilogue.
+// The accumulator layout of both is the same, so they share the epilogue. MXFP4 keys
+// (FP4) differ: their packed codes stay unswizzled in the tile's upper half, each thread
+// expands its wgmma A fragments from them into registers, and the head dimension of
+// both operands runs in the MXFP4 order of cps_fp4_unit.
 
 // CPS_IDX_D, CPS_IDX_TILE, CPS_IDX_THREADS, CPS_IDX_STAGES (key tiles in the prefill
 // ring), CPS_IDX_MAX_ROWS and CPS_IDX_BT_CAP are #defined by the launcher
@@ -570,6 +573,7 @@ __device__ __forceinline__ void cps_idx_cta(
                 }
             };
             if constexpr (WG) {
+                if constexpr (FP4) cps_fence_regs(afp4);     // written before the fence
                 cps_wgmma_fence();
 #pragma unroll
                 for (int ks = 0; ks < 4; ++ks) {
@@ -697,9 +701,9 @@ __device__ __forceinline__ void cps_paged_body(
     }
 
 // _n64: one chunk of 64 columns (weights in registers); _n128m: chunks of 128 columns,
-// one or several (weights in smem: 5 CTAs an SM, measured faster than 4 with the weights
-// in registers); _sS: S key tiles in the ring (the launcher's DECODE_STAGES = 3 for
-// wgmma, MMA_STAGES = 4 for mma.sync).
+// one or several (weights in smem: CPS_IDX_N128M_MINB = 5 CTAs an SM, measured faster
+// than 4 with the weights in registers); _sS: S key tiles in the ring (the launcher's
+// DECODE_STAGES = 3 for wgmma, MMA_STAGES = 4 for mma.sync).
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n64_s3, 64, true, true, 3, 6, false)
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128m_s3, 128, true, false, 3, CPS_IDX_N128M_MINB, false)
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n64_s4, 64, false, true, 4, 3, false)

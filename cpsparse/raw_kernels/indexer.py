@@ -169,7 +169,8 @@ def decode_plan(batch, next_n, heads, width, block_size, sms, smem_per_sm, stage
         return None
     # 128 columns: the weights in shared memory (n128m), not in registers: 90 registers a
     # thread instead of 115, so 5 CTAs an SM instead of 4 (wgmma; B=64 x 32K, next_n 2 on
-    # the H200: 121.1 vs 122.6 us fp8, 170.3 vs 171.9 us MXFP4, bit-identical)
+    # the H200: 121.1 vs 122.6 us fp8, bit-identical; measured before the MXFP4 kernel's
+    # register fragments, which hold it at 4)
     variant = "n64" if nc == 64 else "n128m"
     per_sm = smem_per_sm // (smem_bytes(nch * nc, stages) + 1024)
     if variant != "n64":
