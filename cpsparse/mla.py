@@ -310,15 +310,12 @@ def init_weights(config, seed=0, with_indexer=True):
 # ---- small array helpers (backend-generic) ----------------------------------
 
 def _matmul(xp, a, b):
-    """``a @ b``, float32. On NumPy through float64: float32 products are exact there, so
-    the float32 rounding of a sum hardly ever depends on the order BLAS adds in, which
-    changes with the number of rows (OpenBLAS picks its kernels by shape). A token's
-    projections then do not depend on which other tokens share the call, as context-
-    parallel ranks, each projecting only its own tokens, need to match one rank's top-k
-    rows exactly (with float32 BLAS they differed in the last bits, and near-ties at the
-    k-th score went the other way)."""
-    if xp is numpy:
-        return numpy.matmul(a.astype(numpy.float64), b.astype(numpy.float64)).astype(numpy.float32)
+    """``a @ b`` of the layer's projections (float32; the one place they multiply, so
+    that tests can make them exact: tests/test_parallel.py substitutes float64
+    accumulation to check that context-parallel ranks, each projecting only its own
+    tokens, reproduce one rank's top-k rows bit for bit. With float32 BLAS a token's
+    result depends in its last bits on how many tokens share the call: OpenBLAS picks
+    its kernels by shape)."""
     return xp.matmul(a, b)
 
 

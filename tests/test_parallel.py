@@ -255,6 +255,21 @@ def test_pcp_prefill_top_k_equals_one_rank(world, layout):
     assert covered.all()
 
 
+@pytest.fixture
+def exact_projections(monkeypatch):
+    """The layer's projections accumulated in float64 (rounded to float32): a token's do
+    not depend on the other tokens of the call, as float32 BLAS's do in the last bits
+    (its kernels change with the row count), so PCP ranks, each projecting only its own
+    tokens, can be held to one rank's top-k rows exactly."""
+    from cpsparse import mla
+
+    def matmul64(xp, a, b):
+        if xp is not np:
+            return xp.matmul(a, b)
+        return np.matmul(a.astype(np.float64), b.astype(np.float64)).astype(np.float32)
+    monkeypatch.setattr(mla, "_matmul", matmul64)
+
+
 def pcp_layer_case(world, steps, xp=np):
     """Run the prefill ``steps`` [(q_lens, ctx_lens)] through one layer on one rank and
     through ``world`` PCP ranks (head-tail shares); returns both sides per step, as
@@ -300,7 +315,7 @@ def pcp_layer_case(world, steps, xp=np):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_pcp_layer_equals_one_rank_on_the_sparse_route(world):
+def test_pcp_layer_equals_one_rank_on_the_sparse_route(world, exact_projections):
     """A prompt prefilled in two steps (the second longer than index_topk: the sparse
     route), each step's tokens split across ranks: every rank's top-k rows and outputs
     for its tokens are one rank's."""
@@ -316,7 +331,7 @@ def test_pcp_layer_equals_one_rank_on_the_sparse_route(world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_pcp_layer_equals_one_rank_on_the_dense_route(world):
+def test_pcp_layer_equals_one_rank_on_the_dense_route(world, exact_projections):
     """Prompts no longer than index_topk: one rank takes the dense route (no skip on a
     PCP layer: the gate is off); the ranks attend their tokens' causal keys."""
     metas, want, ranks = pcp_layer_case(world, [([40, 23], [0, 0])])
@@ -353,7 +368,7 @@ def test_pcp_layer_refusals():
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_pcp_stack_with_index_sharing_equals_one_rank(world):
+def test_pcp_stack_with_index_sharing_equals_one_rank(world, exact_projections):
     """A stack of three layers (layer 1 shares layer 0's rows) under PCP: each rank's
     rows of the stack's output are one rank's; the sharing layer reads the rows its
     rank's scoring layer wrote."""
