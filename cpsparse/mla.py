@@ -413,7 +413,7 @@ class _Indexer:
         q = xp.ascontiguousarray(q, dtype=xp.float32)
         q_codes, q_scales = quantize_fp8(q, block_size=c.index_head_dim,
                                          scale_fmt=c.index_scale_fmt, eps=INDEX_Q_EPS)
-        w = fold_weights(xp.ascontiguousarray(_matmul(xp, x, self.weights_proj)),
+        w = fold_weights(xp.ascontiguousarray(_matmul(xp, x, self.weights_proj), dtype=xp.float32),
                          q_scales[..., 0], c.index_head_dim)
         return q_codes, w, xp.ascontiguousarray(k, dtype=xp.float32)
 
@@ -732,7 +732,8 @@ class DeepseekV32MLA:
     def _output(self, latent):
         xp, c = self.xp, self.config
         out = _matmul(xp, latent.transpose(1, 0, 2), self.w_uv).transpose(1, 0, 2)
-        return _matmul(xp, out.reshape(latent.shape[0], c.num_heads * c.v_head_dim), self.o_proj)
+        return _matmul(xp, out.reshape(latent.shape[0], c.num_heads * c.v_head_dim),
+                       self.o_proj).astype(xp.float32)
 
     def _check_pcp_tokens(self, hidden_states, ctx, pcp_tokens):
         if pcp_tokens is None:
