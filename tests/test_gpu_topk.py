@@ -159,7 +159,14 @@ def test_length_classes(cp, ktopk, k, cluster):
     check_rows(logits, starts, ends, k, out.get())
 
 
-VARIANTS = ["c1", "c1_t256", "c2", "c4", "c8"]
+# The r* variants hold the row in shared memory: rows up to topk.ROW_MAX_WIDTH (32768).
+ROW_VARIANTS = ["r256"]
+VARIANTS = ["c1", "c1_t256", "c2", "c4", "c8"] + ROW_VARIANTS
+
+
+def _row_n(variant, n):
+    """n, or for a row-in-shared-memory variant a width it takes (the widest it can)."""
+    return min(n, 32768 - 6) if variant in ROW_VARIANTS else n
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -167,6 +174,7 @@ VARIANTS = ["c1", "c1_t256", "c2", "c4", "c8"]
 @pytest.mark.parametrize("kind", KINDS)
 def test_adversarial(cp, ktopk, kind, n, variant):
     k = 1024 if n == 3000 else 2048
+    n = _row_n(variant, n)
     rng = np.random.default_rng(zlib.crc32(f"{kind}/{n}/{variant}".encode()))
     rows = 3
     width = n + 3
@@ -177,6 +185,25 @@ def test_adversarial(cp, ktopk, kind, n, variant):
     ktopk.topk_per_row(cp, cp.asarray(logits), cp.asarray(starts), cp.asarray(ends), k, out,
                        variant=variant)
     check_rows(logits, starts, ends, k, out.get())
+
+
+@pytest.mark.parametrize("variant", ROW_VARIANTS)
+def test_row_variants_refuse_wider_rows(cp, ktopk, variant):
+    """A row-in-shared-memory variant forced onto rows wider than its buffer can hold
+    is an error before any launch, never a launch past its shared memory."""
+    width = ktopk.ROW_MAX_WIDTH + 1
+    logits = cp.zeros((1, width), cp.float32)
+    z = cp.zeros(1, cp.int32)
+    with pytest.raises(ValueError, match="at most 32768"):
+        ktopk.topk_per_row(cp, logits, z, z + width, 2048, None, variant=variant)
+
+
+def test_row_variants_chosen_for_short_rows(ktopk):
+    """Rows up to ROW_WIDTH run the shared-memory variant, wider ones the register tiles."""
+    assert ktopk._plan(8192, ktopk.ROW_WIDTH, None, None)[2] == 256
+    assert ktopk._plan(8192, ktopk.ROW_WIDTH, None, None)[3] == ktopk.row_buffer_bytes(
+        ktopk.ROW_WIDTH)
+    assert ktopk._plan(8192, ktopk.ROW_WIDTH + 1, None, None)[3] == 2 * ktopk.CAND_ONE_CTA * 8
 
 
 def _strided_positions(n, head, ctas, threads):
@@ -198,7 +225,7 @@ def test_large_values_on_thread_strides(cp, ktopk, variant):
     """Large values exactly at the first value of every thread's first float4 (the
     positions an earlier sampled pass read): still exact."""
     rng = np.random.default_rng(9)
-    k, n, start = 2048, 65536, 1
+    k, n, start = 2048, _row_n(variant, 65536), 1
     ctas, threads, _ = ktopk.VARIANTS[variant]
     width = n + 6
     row = rng.standard_normal(width).astype(np.float32)
@@ -369,7 +396,7 @@ def _mapped(positions, table, next_n, block_size):
     return paging.local_to_global_slots(positions, req, table, block_size)
 
 
-@pytest.mark.parametrize("variant", ["c1", "c1_t256", "c2", "c4", "c8"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("bad", [False, True])
 def test_decode_fused_slots_every_variant(cp, ktopk, variant, bad):
     """The fused slot mapping gives what local_to_global_slots gives the positions
@@ -377,7 +404,7 @@ def test_decode_fused_slots_every_variant(cp, ktopk, variant, bad):
     bad page ids in use (value checks off: masked to -1, never read)."""
     rng = np.random.default_rng(len(variant) + bad)
     k, next_n, bs = 2048, 2, 64
-    width = 20000 if variant == "c1_t256" else 131072
+    width = 20000 if variant == "c1_t256" or variant in ROW_VARIANTS else 131072
     ctx = np.array([width, 5000, 100], np.int32)
     cols = -(-width // bs)
     table = _slot_table(rng, 3, cols, 8 * cols, bad)

@@ -18,7 +18,7 @@
 //       the threshold bin B0 is where the count from the top reaches k.
 //       Filter pass: coarse > B0 -> emitted through an atomic cursor;
 //       coarse == B0 -> candidates. A compare a value marks the few at or above
-//       B0 (on long slices against B0's float bounds, tk_coarse_floor), and a
+//       B0 (on long slices against B0's float bounds, tk_coarse_floor2), and a
 //       loop over the marks acts on them, so that the action's code is not
 //       unrolled into every value's slot (tk_marks).
 //   Finish: when the candidates number at most TK_RANK_MAX (the usual case:
@@ -39,6 +39,9 @@
 //       cursor. A CTA whose candidates do not fit its buffer (CAND) keeps
 //       none and rescans its global slice with the candidate predicate
 //       (coarse == B0 and the key prefix decided so far): exact, never drops.
+//
+// Rows of at most topk.ROW_WIDTH values: the same algorithm in tk_srow_body, one CTA a
+// row holding the row in shared memory ("Rows in shared memory" below).
 //
 // Cluster split (C > 1, __cluster_dims__): each CTA owns a contiguous slice;
 // a round's local histogram becomes suffix sums in place, and after a cluster
@@ -88,7 +91,8 @@ struct TkSmem {
 // slot of it, as cps_local_to_global_slots computes it (-1 for a position past the
 // table, a negative page id or a slot past int32). Read from shared memory at each
 // write so that the selection's registers stay as they are.
-__device__ __forceinline__ int tk_out(const TkSmem& s, int pos) {
+template <class S>
+__device__ __forceinline__ int tk_out(const S& s, int pos) {
     const int* pages = s.pages;
     if (pages == nullptr) return pos;
     const int col = pos >> s.shift;
@@ -122,37 +126,68 @@ __device__ __forceinline__ u32 tk_coarse(float x, float scale, float bias) {
     return hk >> 5;
 }
 
-// The float threshold of a coarse bin: for every non-NaN x, tk_coarse(x) >= b exactly
-// when x >= the returned value (tk_coarse is monotone in the float order); NaN when no
-// float reaches b (then x >= it is false for every x, as for NaN x itself, whose coarse
-// key 0 is below any b >= 1). b >= 1. Warp-collective (every lane gets the value): a
-// 32-way search over the order keys of -inf .. +inf, 5 bits a round, so that the
-// filter pass compares floats instead of computing every value's coarse key.
 __device__ __forceinline__ float tk_key_float(u32 key) {        // tk_key's inverse
     return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
 }
-__device__ __forceinline__ float tk_coarse_floor(u32 b, float scale, float bias, int lane) {
-    const unsigned long long first = 0x007FFFFFull, sentinel = 0xFF800001ull;  // -inf, past +inf
-    unsigned long long lo = first, hi = sentinel;    // the smallest key reaching b is in [lo, hi]
-    while (lo < hi) {
-        const unsigned long long step = (hi - lo + 31) / 32;
-        const unsigned long long kl = lo + (unsigned long long)lane * step;
-        const bool yes = kl >= hi || tk_coarse(tk_key_float((u32)kl), scale, bias) >= b;
-        const u32 m = __ballot_sync(0xffffffffu, yes);
-        if (m == 0u) {
-            lo = lo + 31 * step + 1;
-        } else {
-            const int j = __ffs(m) - 1;
-            const unsigned long long kj = lo + (unsigned long long)j * step;
-            if (j == 0) {
-                hi = lo;
-            } else {
-                lo = lo + (unsigned long long)(j - 1) * step + 1;
-                hi = min(kj, hi);
+
+// The float thresholds of coarse bins b (lanes 0-15) and b + 1 (lanes 16-31): for every
+// non-NaN x, tk_coarse(x) >= bin exactly when x >= the returned value (tk_coarse is
+// monotone in the float order); -inf for bin 0; NaN when no float reaches the bin (then
+// x >= it is false for every x, as for NaN x itself, whose coarse key 0 is below any
+// bin >= 1). Warp-collective, so that a filter pass compares floats instead of computing
+// every value's coarse key. Each half of the warp searches the order keys 16 ways a
+// round, from a bracket of +-2**16 keys around the bin's estimated start ((its first
+// fp16 value - bias) / scale), checked by the coarse keys at its ends (the whole range
+// -inf .. +inf when the check fails): four rounds where two full 32-way searches took
+// seven each, in a row (the srow body's CTA waits for them at a barrier).
+__device__ __forceinline__ float tk_coarse_floor2(u32 b, float scale, float bias, int lane) {
+    const u32 first = 0x007FFFFFu, sentinel = 0xFF800001u;   // -inf, past +inf
+    const u32 span = 1u << 16;
+    const int half = lane >> 4, hl = lane & 15;
+    const u32 bb = b + (u32)half;                  // this half's bin
+    u32 lo = first, hi = sentinel;                 // the smallest key reaching bb is in [lo, hi]
+    if (bb >= TK_BINS) {
+        lo = hi = sentinel;                        // no float reaches it
+    } else {
+        const u32 hk = bb << 5;                    // the bin's first fp16 order key
+        const u32 hb = (hk & 0x8000u) ? (hk & 0x7FFFu) : (~hk & 0xFFFFu);   // its fp16 bits
+        const unsigned short h = (unsigned short)hb;
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+        const float xe = (f - bias) / scale;
+        if (isfinite(xe)) {
+            const u32 ke = tk_key(xe);
+            const u32 blo = ke > first + span ? ke - span : first;
+            const u32 bhi = ke < sentinel - span ? ke + span : sentinel;
+            const bool ok_lo = blo == first || tk_coarse(tk_key_float(blo - 1u), scale, bias) < bb;
+            const bool ok_hi = bhi == sentinel || tk_coarse(tk_key_float(bhi), scale, bias) >= bb;
+            if (ok_lo && ok_hi) {
+                lo = blo;
+                hi = bhi;
             }
         }
     }
-    return lo >= sentinel ? __uint_as_float(0x7fc00000u) : tk_key_float((u32)lo);
+    while (__ballot_sync(0xffffffffu, lo < hi) != 0u) {
+        const u32 step = (hi - lo + 15u) / 16u;
+        const u32 kl = lo + (u32)hl * step;
+        const bool yes = kl >= hi || tk_coarse(tk_key_float(kl), scale, bias) >= bb;
+        const u32 m = (__ballot_sync(0xffffffffu, yes) >> (16 * half)) & 0xFFFFu;
+        if (lo < hi) {
+            if (m == 0u) {
+                lo = lo + 15u * step + 1u;
+            } else {
+                const int j = __ffs(m) - 1;
+                const u32 kj = lo + (u32)j * step;
+                if (j == 0) {
+                    hi = lo;
+                } else {
+                    lo = lo + (u32)(j - 1) * step + 1u;
+                    hi = min(kj, hi);
+                }
+            }
+        }
+    }
+    return lo >= sentinel ? __uint_as_float(0x7fc00000u) : tk_key_float(lo);
 }
 
 // The coarse key's transform from per-warp statistics of the row's first values
@@ -192,6 +227,72 @@ __device__ __forceinline__ void tk_adapt(float mean, float mx, bool has, int lan
     scale = ldexpf(1.0f, min(127, max(-126, 2 - e)));
     bias = -c * scale;
     if (bias == 0.0f || !isfinite(bias)) bias = 0.0f;         // +0; c * scale overflowed: 0
+}
+
+// The window [st, en) of a row, clamped to [0, width]: mode 0 row_starts / row_ends;
+// mode 1 decode rows, start 0, row (b, j) ends at L_b - next_n + j + 1 with
+// context_lens [B]; mode 2 context_lens [B, next_n] gives each row's end.
+__device__ __forceinline__ void tk_row_window(int row, long long width,
+                                              const int* __restrict__ row_starts,
+                                              const int* __restrict__ row_ends,
+                                              const int* __restrict__ ctx, int next_n, int mode,
+                                              long long& st, long long& en) {
+    if (mode != 0) {
+        st = 0;
+        if (mode == 2) {
+            en = ctx[row];
+        } else {
+            const int b = row / next_n;
+            const int j = row - b * next_n;
+            en = (long long)ctx[b] - next_n + j + 1;
+        }
+    } else {
+        st = row_starts[row];
+        en = row_ends[row];
+    }
+    en = min(max(en, 0ll), width);
+    st = min(max(st, 0ll), en);
+}
+
+// tk_adapt's statistics of one warp: the mean and max of the finite values among
+// the four of v4 (row positions i0 .. i0 + 3, when has_unit) that lie in [0, n),
+// summed over the warp; lane 0 stores them (a NaN max marks a warp without finite
+// values).
+__device__ __forceinline__ void tk_warp_stats(float4 v4, bool has_unit, int i0, int n, int lane,
+                                              float& wmean, float& wmax) {
+    const float xs[4] = {v4.x, v4.y, v4.z, v4.w};
+    float sum = 0.f, mx = __int_as_float(0xff800000);
+    int cnt = 0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const int i = i0 + c;
+        if (has_unit && i >= 0 && i < n && isfinite(xs[c])) {
+            sum += xs[c];
+            mx = fmaxf(mx, xs[c]);
+            ++cnt;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+    }
+    if (lane == 0) {
+        const float mean = cnt > 0 ? sum / (float)cnt : 0.f;
+        const bool ok = cnt > 0 && isfinite(mean);
+        wmean = ok ? mean : 0.f;
+        wmax = ok ? mx : __int_as_float(0x7fc00000);
+    }
+}
+
+// tk_adapt over the nw warps' statistics in shared memory (every lane of the calling
+// warp gets the transform; every warp computes the same one).
+__device__ __forceinline__ void tk_adapt_warps(const float* wmean, const float* wmax, int lane,
+                                               int nw, float& scale, float& bias) {
+    const float wm = lane < nw ? wmean[lane] : 0.f;
+    const float wx = lane < nw ? wmax[lane] : __int_as_float(0x7fc00000);
+    tk_adapt(wm, wx, wx == wx, lane, nw, scale, bias);
 }
 
 // A bit mask of a thread's slots: bit 4 j + c for value c of u[j], the float4 unit
@@ -290,7 +391,8 @@ __device__ __forceinline__ u32 tk_sum_ranks(const u32* p) {
 
 // One thread records a round's outcome: threshold T, the cluster counts
 // above it and at it, this CTA's counts before it (ab, eb) and at it.
-__device__ __forceinline__ void tk_decide(TkSmem& s, u32 T, u32 above_tot, u32 eq_tot,
+template <class S>
+__device__ __forceinline__ void tk_decide(S& s, u32 T, u32 above_tot, u32 eq_tot,
                                           u32 ab, u32 eb, u32 eq_local, int mode) {
     s.T = T;
     const bool last = mode == TK_LAST;
@@ -305,6 +407,64 @@ __device__ __forceinline__ void tk_decide(TkSmem& s, u32 T, u32 above_tot, u32 e
     s.take = nn > eb ? min(nn - eb, eq_local) : 0u;
     s.need = nn;
     s.emitted = emitted + above_tot;
+}
+
+// A one-CTA round's suffix sums over a complete histogram h: loc[j] counts the values
+// in the thread's bins tid * BPT + j and above, up to its last bin; returns the count
+// in every higher bin (the other threads'). wtot: NW words of scratch; one barrier.
+template <int THREADS>
+__device__ __forceinline__ u32 tk_suffix(const u32* h, u32* wtot, u32 (&loc)[TK_BINS / THREADS],
+                                         int tid, int lane, int warp) {
+    constexpr int BPT = TK_BINS / THREADS;
+    u32 sum = 0;
+#pragma unroll
+    for (int j = BPT - 1; j >= 0; --j) {
+        sum += h[tid * BPT + j];
+        loc[j] = sum;
+    }
+    u32 x = sum;                                      // suffix over lanes
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_down_sync(0xffffffffu, x, o);
+        if (lane + o < 32) x += y;
+    }
+    if (lane == 0) wtot[warp] = x;
+    __syncthreads();
+    u32 hi = 0;
+    for (int w = warp + 1; w < THREADS / 32; ++w) hi += wtot[w];
+    return x - sum + hi;
+}
+
+// A round's start once its histogram h is being completed: the emission counters reset,
+// a barrier (h complete), then tk_suffix.
+template <int THREADS, class S>
+__device__ __forceinline__ u32 tk_round_suffix(S& s, const u32* h, u32 (&loc)[TK_BINS / THREADS],
+                                               int tid, int lane, int warp) {
+    if (tid == 0) {
+        s.cursor = 0u;
+        s.tie_cursor = 0u;
+        s.ncand = 0u;
+    }
+    __syncthreads();                                  // histogram complete
+    return tk_suffix<THREADS>(h, s.wtot, loc, tid, lane, warp);
+}
+
+// The thread whose bins hold the one where the count from the top reaches need
+// records the round (a one-CTA row: no other ranks); returns whether it was this one.
+template <class S, int BPT>
+__device__ __forceinline__ bool tk_decide_local(S& s, const u32 (&loc)[BPT], u32 excl, u32 need,
+                                                int tid, int mode) {
+    bool decided = false;
+#pragma unroll
+    for (int j = 0; j < BPT; ++j) {
+        const u32 tj = loc[j] + excl;
+        const u32 tn = j + 1 < BPT ? loc[j + 1] + excl : excl;
+        if (tj >= need && tn < need) {
+            tk_decide(s, (u32)(tid * BPT + j), tn, tj - tn, 0u, 0u, tj - tn, mode);
+            decided = true;
+        }
+    }
+    return decided;
 }
 
 // Warp 0 of each CTA of a cluster: threshold of the summed suffix arrays h
@@ -381,21 +541,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     const int rank = C > 1 ? (int)tk_cluster_rank() : 0;
 
     long long st, en;
-    if (mode != 0) {
-        st = 0;
-        if (mode == 2) {
-            en = ctx[row];
-        } else {
-            const int b = row / next_n;
-            const int j = row - b * next_n;
-            en = (long long)ctx[b] - next_n + j + 1;
-        }
-    } else {
-        st = row_starts[row];
-        en = row_ends[row];
-    }
-    en = min(max(en, 0ll), width);
-    st = min(max(st, 0ll), en);
+    tk_row_window(row, width, row_starts, row_ends, ctx, next_n, mode, st, en);
     int* __restrict__ orow = out + (long long)row * k;
     if (tid == 0) {
         s.pages = table != nullptr && mode != 0 ? table + (long long)(row / next_n) * cols
@@ -443,30 +589,7 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
         } else if (tid < nv) {
             v4 = __ldg(qa + tid);
         }
-        const float xs[4] = {v4.x, v4.y, v4.z, v4.w};
-        float sum = 0.f, mx = __int_as_float(0xff800000);
-        int cnt = 0;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int i = tid * 4 + c - head;
-            if (tid < nv && i >= 0 && i < n && isfinite(xs[c])) {
-                sum += xs[c];
-                mx = fmaxf(mx, xs[c]);
-                ++cnt;
-            }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
-        }
-        if (lane == 0) {              // a NaN max marks a warp without (finite) statistics
-            const float mean = cnt > 0 ? sum / (float)cnt : 0.f;
-            const bool ok = cnt > 0 && isfinite(mean);
-            s.wmean[warp] = ok ? mean : 0.f;
-            s.wmax[warp] = ok ? mx : __int_as_float(0x7fc00000);
-        }
+        tk_warp_stats(v4, tid < nv, tid * 4 - head, n, lane, s.wmean[warp], s.wmax[warp]);
     }
     for (int b = tid; b < TK_BINS; b += THREADS) s.hist[0][b] = 0u;   // R0's buffer
     if (tid == 0) {
@@ -477,10 +600,8 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     }
     __syncthreads();
     {   // every warp alike (no second barrier), into its own copy
-        const float wm = lane < NW ? s.wmean[lane] : 0.f;
-        const float wx = lane < NW ? s.wmax[lane] : __int_as_float(0x7fc00000);
         float sc, bi;
-        tk_adapt(wm, wx, wx == wx, lane, NW, sc, bi);
+        tk_adapt_warps(s.wmean, s.wmax, lane, NW, sc, bi);
         if (lane == 0) {
             s.scale[warp] = sc;
             s.bias[warp] = bi;
@@ -512,38 +633,10 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     // totals, tk_decide); ends with a barrier.
     auto select = [&](int hb, u32 need, int mode) {
         u32* h = s.hist[hb];
-        if (tid == 0) {
-            s.cursor = 0u;
-            s.tie_cursor = 0u;
-            s.ncand = 0u;
-        }
-        __syncthreads();                                  // histogram complete
         u32 loc[BPT];
-        u32 sum = 0;
-#pragma unroll
-        for (int j = BPT - 1; j >= 0; --j) {
-            sum += h[tid * BPT + j];
-            loc[j] = sum;
-        }
-        u32 x = sum;                                      // suffix over lanes
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const u32 y = __shfl_down_sync(0xffffffffu, x, o);
-            if (lane + o < 32) x += y;
-        }
-        if (lane == 0) s.wtot[warp] = x;
-        __syncthreads();
-        u32 hi = 0;
-        for (int w = warp + 1; w < NW; ++w) hi += s.wtot[w];
-        const u32 excl = x - sum + hi;                    // count in higher bins
+        const u32 excl = tk_round_suffix<THREADS>(s, h, loc, tid, lane, warp);
         if (C == 1) {
-#pragma unroll
-            for (int j = 0; j < BPT; ++j) {
-                const u32 tj = loc[j] + excl;
-                const u32 tn = j + 1 < BPT ? loc[j + 1] + excl : excl;
-                if (tj >= need && tn < need)
-                    tk_decide(s, (u32)(tid * BPT + j), tn, tj - tn, 0u, 0u, tj - tn, mode);
-            }
+            tk_decide_local(s, loc, excl, need, tid, mode);
         } else {
 #pragma unroll
             for (int j = 0; j < BPT; ++j) h[tid * BPT + j] = loc[j] + excl;
@@ -620,16 +713,17 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     // ties' share, gather the list to rank, or fill the fallback's buffer (whose key
     // range the fallback finds afterwards).
     // On long slices (64 values a thread or more) the bin's float bounds
-    // (tk_coarse_floor) replace the coarse key: at or above the bin, x >= x_bin (every
-    // value when B0 is 0, NaN included); above it, x >= x_above. Their search costs
-    // about what 32 values' coarse keys do: measured slower on shorter slices.
+    // (tk_coarse_floor2) replace the coarse key: at or above the bin, x >= x_bin (every
+    // value when B0 is 0, NaN included); above it, x >= x_above. The search cost about
+    // what 32 values' coarse keys do (before tk_coarse_floor2's bracket): measured slower
+    // on shorter slices.
     const float* __restrict__ qf = reinterpret_cast<const float*>(qa);
     const bool by_bounds = (long long)(v_hi - v_lo) * 4 >= 64ll * THREADS;
     float x_bin = 0.f, x_above = 0.f;
     if (by_bounds) {
-        x_bin = B0 > 0u ? tk_coarse_floor(B0, cscale, cbias, lane) : __int_as_float(0xff800000);
-        x_above = B0 < TK_BINS - 1 ? tk_coarse_floor(B0 + 1, cscale, cbias, lane)
-                                   : __uint_as_float(0x7fc00000u);
+        const float f = tk_coarse_floor2(B0, cscale, cbias, lane);
+        x_bin = __shfl_sync(0xffffffffu, f, 0);      // -inf when B0 is 0 (NaN's bin)
+        x_above = __shfl_sync(0xffffffffu, f, 16);   // NaN when B0 is the last bin
     }
     for (int t = 0; t < ntiles; ++t) {
         if (ntiles > 1) load(t);                          // one tile stays in registers
@@ -785,6 +879,368 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     if (C > 1) tk_cluster_sync<C>();            // no CTA leaves while others read its histograms
 }
 
+// ---- Rows in shared memory (the r* variants) ---------------------------------------
+// One CTA a row, its values copied into dynamic shared memory once (cp.async, every
+// 16-byte unit of the row in flight at once; the launch sizes the buffer to the row
+// width, topk.py): the statistics, R0, the filter pass and the fallback's rounds read
+// shared memory, never global memory again. The one-CTA variants above reload their
+// tiles and re-read each marked value from the cache, and spend most of a prefill
+// row's time issuing instructions (Nsight Compute: 66-78% of the issue slots busy), so
+// this body is written for few instructions a value:
+// - units (16 bytes) wholly inside the row are processed without bounds tests (a
+//   compile-time copy of each pass's body), the row's two edge units with them;
+// - the coarse key of two values takes one conversion (cvt.rn.f16x2.f32), one byte
+//   permute and one logic op (tk_coarse_pair); NaN shares the bin of -inf, the lowest
+//   (TK_LOW_BIN): the key stays monotone in the order (NaN lowest), so the selection
+//   stays exact;
+// - work done once a row runs in one warp, not in every warp: the transform of the
+//   coarse key (tk_adapt) and the threshold bin's float bounds (tk_coarse_floor2, in the
+//   warp that found the threshold), published through shared memory;
+// - the filter pass emits the values above the threshold bin without an atomic a
+//   value: a first pass counts them (and handles the rare ones in the bin), one shared
+//   atomic a warp takes the warp's range, and in a second pass a ballot a value slot
+//   gives each lane its place, so that a warp's stores of a slot are one contiguous
+//   run (each lane writing a run of its own was 24% slower: uncoalesced stores);
+// - the fallback keeps no candidate buffers: each radix round re-reads the row from
+//   shared memory with the candidate predicate.
+// CTAs run in reverse row order: a causal prefill's rows grow with the row index, so
+// the longest start first and the last wave holds short ones.
+
+#define TK_LOW_BIN 31u     // tk_coarse_pair's lowest bin: -inf and NaN
+
+template <bool B>
+struct TkBool {
+    static constexpr bool value = B;
+};
+
+// tk_coarse of two values, except that NaN goes to -inf's bin (TK_LOW_BIN) instead of 0.
+__device__ __forceinline__ void tk_coarse_pair(float x0, float x1, float scale, float bias,
+                                               u32& b0, u32& b1) {
+    const float ninf = __int_as_float(0xff800000);
+    const float y0 = fmaxf(fmaf(x0, scale, bias), ninf);      // NaN -> -inf
+    const float y1 = fmaxf(fmaf(x1, scale, bias), ninf);
+    u32 h, sgn;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(y1), "f"(y0));   // y0: low half
+    // prmt: a selector nibble with its msb set replicates the selected byte's msb, so
+    // each half becomes 0xFFFF (negative) or 0x0000 (positive).
+    asm("prmt.b32 %0, %1, 0, 0xBB99;" : "=r"(sgn) : "r"(h));
+    const u32 key = h ^ (sgn | 0x80008000u);                   // two fp16 order keys
+    b0 = (key & 0xFFFFu) >> 5;
+    b1 = key >> 21;
+}
+
+// The same bin for one value (the fallback's candidate test).
+__device__ __forceinline__ u32 tk_coarse_lo(float x, float scale, float bias) {
+    return x != x ? TK_LOW_BIN : tk_coarse(x, scale, bias);
+}
+
+// xs[c] without a dynamically indexed array (which would live in local memory).
+__device__ __forceinline__ float tk_pick(const float (&xs)[4], int c) {
+    return c == 0 ? xs[0] : c == 1 ? xs[1] : c == 2 ? xs[2] : xs[3];
+}
+
+// base[j] = v, the address formed from base and j (left to itself the compiler rebuilt
+// the 64-bit address from the row's index at every store: two instructions more).
+__device__ __forceinline__ void tk_store(int* base, u32 j, int v) {
+    asm volatile("{\n\t.reg .u64 a;\n\tmad.wide.u32 a, %0, 4, %1;\n\t"
+                 "st.global.b32 [a], %2;\n\t}" :: "r"(j), "l"(base), "r"(v) : "memory");
+}
+
+// Where a row's output positions go (tk_out): registers, not shared memory, here.
+struct TkSlotMap {
+    const int* pages;
+    int cols, shift;
+};
+
+struct TkRowState {
+    u32 wtot[32];
+    float wmean[32];
+    float wmax[32];
+    u32 kmin, kmax;
+    u32 cursor, tie_cursor, ncand;
+    u32 T, eq_tot, eq_before, eq_local, need, emitted, above_base, tie_base, take, fin;
+    float scale, bias;      // the coarse key's transform (tk_adapt, one warp)
+    float x_bin, x_above;   // R0's threshold bin's float bounds (tk_coarse_floor2, one warp)
+};
+
+template <int THREADS>
+__device__ __forceinline__ void tk_srow_body(const float* __restrict__ logits, long long width,
+                                             const int* __restrict__ row_starts,
+                                             const int* __restrict__ row_ends,
+                                             const int* __restrict__ ctx, int next_n, int mode,
+                                             int k, int* __restrict__ out,
+                                             const int* __restrict__ table, int cols, int shift) {
+    constexpr int NW = THREADS / 32;
+    constexpr int BPT = TK_BINS / THREADS;
+    static_assert(TK_BINS % THREADS == 0, "bins per thread");
+    static_assert(TK_BINS / 2 >= TK_RANK_MAX, "the rank list lives in the histogram");
+    const u32 full = 0xffffffffu;
+    __shared__ TkRowState s;
+    // The histogram of a round; once its threshold is chosen (select), the rank list
+    // of packed candidates (tk_pack) until the next round clears it.
+    __shared__ __align__(16) u32 hist[TK_BINS];
+    u64* const list = reinterpret_cast<u64*>(hist);
+    extern __shared__ __align__(16) float4 tk_row[];    // the row's 16-byte units
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int row = (int)(gridDim.x - 1u - blockIdx.x);
+    long long st, en;
+    tk_row_window(row, width, row_starts, row_ends, ctx, next_n, mode, st, en);
+    int* __restrict__ orow = out + (long long)row * k;
+    const int n = (int)(en - st);
+    const TkSlotMap map = {table != nullptr && mode != 0 ? table + (long long)(row / next_n) * cols
+                                                         : nullptr, cols, shift};
+    if (n <= k) {                                  // short row: 0..n-1, then -1
+        for (int j = tid; j < k; j += THREADS) orow[j] = j < n ? tk_out(map, j) : -1;
+        return;
+    }
+    // The row as 16-byte units from the aligned address at or below its start.
+    const float* q = (logits + (long long)row * width) + (int)st;
+    const int head = (int)((reinterpret_cast<size_t>(q) >> 2) & 3);
+    const float4* qa = reinterpret_cast<const float4*>(q - head);
+    const int nv = (head + n + 3) >> 2;
+    {
+        const u32 base = cps_smem_u32(tk_row);
+        for (int v = tid; v < nv; v += THREADS) cps_cp_async16(base + 16u * v, qa + v, true);
+        cps_cp_async_commit();
+    }
+    if (tid == 0) {
+        s.need = (u32)k;
+        s.emitted = 0u;
+        s.kmin = 0xFFFFFFFFu;
+        s.kmax = 0u;
+    }
+#pragma unroll
+    for (int j = 0; j < BPT; ++j) hist[tid * BPT + j] = 0u;
+    cps_cp_async_wait_all();
+    __syncthreads();                               // the row is in shared memory
+
+    // f(i0, xs, valid, interior) for every unit of the row: values i0 .. i0 + 3, bit c
+    // of valid set when i0 + c is in [0, n); interior (TkBool<true>): all four are.
+    const int vi_lo = head > 0 ? 1 : 0;            // units wholly inside: [vi_lo, vi_hi)
+    const int vi_hi = (n + head) >> 2;
+    // Warp-uniform: a warp's lanes take 32 consecutive units together (the emission's
+    // ballots need every lane), a lane past the row with no valid value.
+    auto each_unit = [&](auto&& f) {
+        for (int vb = tid - lane; vb < nv; vb += THREADS) {
+            const int v = vb + lane;
+            const int i0 = 4 * v - head;
+            if (vb >= vi_lo && vb + 32 <= vi_hi) {
+                const float4 u = tk_row[v];
+                const float xs[4] = {u.x, u.y, u.z, u.w};
+                f(i0, xs, 0xFu, TkBool<true>());
+            } else {
+                const float4 u = v < nv ? tk_row[v] : make_float4(0.f, 0.f, 0.f, 0.f);
+                const float xs[4] = {u.x, u.y, u.z, u.w};
+                u32 valid = 0u;
+#pragma unroll
+                for (int c = 0; c < 4; ++c) valid |= (i0 + c >= 0 && i0 + c < n ? 1u : 0u) << c;
+                f(i0, xs, valid, TkBool<false>());
+            }
+        }
+    };
+
+    // The coarse key's transform (tk_adapt) from the row's first THREADS units, chosen
+    // by warp 0.
+    tk_warp_stats(tid < nv ? tk_row[tid] : make_float4(0.f, 0.f, 0.f, 0.f), tid < nv,
+                  4 * tid - head, n, lane, s.wmean[warp], s.wmax[warp]);
+    __syncthreads();
+    if (warp == 0) {
+        float sc, bi;
+        tk_adapt_warps(s.wmean, s.wmax, lane, NW, sc, bi);
+        if (lane == 0) {
+            s.scale = sc;
+            s.bias = bi;
+        }
+    }
+    __syncthreads();
+    const float cscale = s.scale, cbias = s.bias;
+
+    // Threshold of a round (tk_decide) from the complete histogram; with `bounds` the
+    // deciding warp also finds the threshold bin's float bounds. Ends with a barrier.
+    auto select = [&](u32 need, int mode, bool bounds) {
+        u32 loc[BPT];
+        const u32 excl = tk_round_suffix<THREADS>(s, hist, loc, tid, lane, warp);
+        const bool decided = tk_decide_local(s, loc, excl, need, tid, mode);
+        if (bounds && __ballot_sync(full, decided) != 0u) {
+            __syncwarp();
+            const u32 T = s.T;                     // >= TK_LOW_BIN >= 1
+            const float f = tk_coarse_floor2(T, cscale, cbias, lane);
+            if (lane == 0) s.x_bin = T > TK_LOW_BIN ? f : __int_as_float(0xff800000);
+            if (lane == 16) s.x_above = f;
+        }
+        __syncthreads();
+    };
+
+    bool fin = false, to_rank = false;
+    // A value at the round's threshold: the ties' share (fin), or the rank list
+    // (to_rank), or nothing (the next round finds it again).
+    auto at_threshold = [&](int i, float x) {
+        if (fin) {
+            const u32 t = atomicAdd(&s.tie_cursor, 1u);
+            if (t < s.take && s.tie_base + t < (u32)k) orow[s.tie_base + t] = tk_out(map, i);
+        } else if (to_rank) {                      // eq_tot <= TK_RANK_MAX of them
+            const u32 c = atomicAdd(&s.ncand, 1u);
+            if (c < TK_BINS / 2) list[c] = tk_pack(tk_key(x), i);
+        }
+    };
+    // The round's emission: above(x) for a value above the threshold, at(x) (asked of
+    // the others) for one at it; only values in the row. Pass 1 counts a thread's values
+    // above (a compare and an add a value) and hands those at the threshold to
+    // at_threshold (rare); one shared atomic a warp takes the warp's range. Pass 2
+    // writes the values above: a ballot a value slot gives each lane its place, so a
+    // warp's stores of a slot are one contiguous run (coalesced), no atomic a value.
+    const u32 lt = (1u << lane) - 1u;
+    auto emit = [&](auto&& above, auto&& at_thr) {
+        u32 cnt = 0u;
+        each_unit([&](int i0, const float (&xs)[4], u32 valid, auto interior) {
+            u32 at = 0u;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const bool in = decltype(interior)::value || ((valid >> c) & 1u);
+                const bool up = above(xs[c]);
+                cnt += in && up ? 1u : 0u;
+                at |= (in && !up && at_thr(xs[c]) ? 1u : 0u) << c;
+            }
+            while (at != 0u) {                     // rare
+                const int c = __ffs(at) - 1;
+                at &= at - 1u;
+                at_threshold(i0 + c, tk_pick(xs, c));
+            }
+        });
+        const u32 tot = __reduce_add_sync(full, cnt);
+        u32 base = 0u;
+        if (lane == 0 && tot != 0u) base = atomicAdd(&s.cursor, tot);
+        base = s.above_base + __shfl_sync(full, base, 0);
+        // [base, base + tot) lies in the row by construction (tk_decide: the values above
+        // number less than need <= k); checked as a guard, once a warp.
+        if (tot == 0u || base + tot > (u32)k) return;
+        auto write = [&](auto&& slot) {
+            each_unit([&](int i0, const float (&xs)[4], u32 valid, auto interior) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const bool in = decltype(interior)::value || ((valid >> c) & 1u);
+                    const bool up = in && above(xs[c]);
+                    const u32 b = __ballot_sync(full, up);
+                    if (up) tk_store(orow, base + __popc(b & lt), slot(i0 + c));
+                    base += __popc(b);
+                }
+            });
+        };
+        if (map.pages == nullptr) {
+            write([](int i) { return i; });
+        } else {
+            write([&](int i) { return tk_out(map, i); });
+        }
+    };
+
+    // The rank list's candidates (eq_tot of them): candidate c goes to emitted + rank(c)
+    // when rank(c) < need, ranks by packed value (distinct, exact), a warp a candidate.
+    auto rank_select = [&]() {
+        __syncthreads();                           // the list is complete
+        const u32 m = s.eq_tot, need = s.need, base = s.emitted;
+        for (u32 c = (u32)warp; c < m; c += NW) {
+            const u64 me = list[c];
+            u32 cnt = 0u;
+            for (u32 j = lane; j < m; j += 32) cnt += list[j] > me ? 1u : 0u;
+            cnt = __reduce_add_sync(full, cnt);
+            if (lane == 0 && cnt < need) {
+                const u32 p = base + cnt;
+                if (p < (u32)k) orow[p] = tk_out(map, (int)~(u32)me);
+            }
+        }
+    };
+
+    // ---- R0 (n > k values: the count from the top reaches k, a threshold exists).
+    each_unit([&](int, const float (&xs)[4], u32 valid, auto interior) {
+        u32 b[4];
+        tk_coarse_pair(xs[0], xs[1], cscale, cbias, b[0], b[1]);
+        tk_coarse_pair(xs[2], xs[3], cscale, cbias, b[2], b[3]);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            if (decltype(interior)::value || ((valid >> c) & 1u)) atomicAdd(&hist[b[c]], 1u);
+        }
+    });
+    select((u32)k, TK_ROUND, true);
+    const u32 B0 = s.T;
+    fin = s.fin != 0u;
+    to_rank = !fin && s.eq_tot <= TK_RANK_MAX;
+    {   // above the bin: x >= x_above (never NaN); in it: the rest down to x_bin, or
+        // everything left when it is the lowest bin (-inf and NaN)
+        const float x_bin = s.x_bin, x_above = s.x_above;
+        const bool low = B0 == TK_LOW_BIN;
+        emit([&](float x) { return x >= x_above; }, [&](float x) { return low || x >= x_bin; });
+    }
+    if (to_rank) {
+        rank_select();
+        return;
+    }
+    if (fin) return;
+    __syncthreads();
+
+    // ---- The fallback's radix rounds on the full key over R0's threshold bin, 11 bits
+    // a round from the highest bit in which its keys differ; a candidate of a round is
+    // a value of the bin whose key agrees with the bits decided so far (P above
+    // lvl_shift). Rare: the transform is re-read from shared memory.
+    const float fscale = s.scale, fbias = s.bias;
+    {
+        u32 lo = 0xFFFFFFFFu, hi = 0u;
+        each_unit([&](int, const float (&xs)[4], u32 valid, auto) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                if (((valid >> c) & 1u) && tk_coarse_lo(xs[c], fscale, fbias) == B0) {
+                    lo = min(lo, tk_key(xs[c]));
+                    hi = max(hi, tk_key(xs[c]));
+                }
+            }
+        });
+        lo = __reduce_min_sync(full, lo);
+        hi = __reduce_max_sync(full, hi);
+        if (lane == 0 && lo <= hi) {
+            atomicMin(&s.kmin, lo);
+            atomicMax(&s.kmax, hi);
+        }
+        __syncthreads();
+    }
+    const u32 kx = s.kmin ^ s.kmax;
+    int lvl_shift = kx ? 32 - __clz(kx) : 0;
+    u32 P = lvl_shift >= 32 ? 0u : s.kmin >> lvl_shift;
+    while (!fin) {
+        const int shift = max(0, lvl_shift - 11);
+        const int wbits = lvl_shift - shift;      // 0..11 (0: all keys equal)
+        const u32 mask = (1u << wbits) - 1u;
+        auto digit = [&](float x) -> int {        // -1: not a candidate
+            if (tk_coarse_lo(x, fscale, fbias) != B0) return -1;
+            const u32 key = tk_key(x);
+            if (lvl_shift < 32 && (key >> lvl_shift) != P) return -1;
+            return (int)((key >> shift) & mask);
+        };
+#pragma unroll
+        for (int j = 0; j < BPT; ++j) hist[tid * BPT + j] = 0u;   // no loop state to keep
+        __syncthreads();
+        each_unit([&](int, const float (&xs)[4], u32 valid, auto) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int d = ((valid >> c) & 1u) ? digit(xs[c]) : -1;
+                if (d >= 0) atomicAdd(&hist[d], 1u);
+            }
+        });
+        select(s.need, shift == 0 ? TK_LAST : TK_ROUND, false);
+        const int T = (int)s.T;
+        fin = s.fin != 0u;
+        to_rank = !fin && s.eq_tot <= TK_RANK_MAX;
+        emit([&](float x) { return digit(x) > T; }, [&](float x) { return digit(x) == T; });
+        if (to_rank) {
+            rank_select();
+            return;
+        }
+        __syncthreads();
+        P = (P << wbits) | (u32)T;                // P is 0 while lvl_shift is 32
+        lvl_shift = shift;
+    }
+}
+
 // One entry point per configuration. mode 0: windows [row_starts, row_ends);
 // mode 1: decode, row_starts 0, row (b, j) ends at L_b - next_n + j + 1 with
 // context_lens [B]; mode 2: context_lens [B, next_n] gives each row's end.
@@ -792,15 +1248,19 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
 // only; NULL otherwise) makes the rows global cache slots (tk_out). Grid:
 // rows * C CTAs, C consecutive CTAs a row (a cluster); dynamic shared memory
 // 2 * CAND * 8 bytes (topk.py's VARIANTS; TK_CAND_* are #defined by topk.py).
+#define TK_PARAMS                                                                           \
+    const float* __restrict__ logits, long long width, const int* __restrict__ row_starts,  \
+        const int* __restrict__ row_ends, const int* __restrict__ context_lens, int next_n, \
+        int mode, int k, int* __restrict__ out, const int* __restrict__ block_table,        \
+        int bt_cols, int bs_shift
+
+#define TK_ARGS logits, width, row_starts, row_ends, context_lens, next_n, mode, k, out,     \
+                block_table, bt_cols, bs_shift
+
 #define TK_KERNEL(THREADS, VEC, C, CAND, MINB, SUFFIX, ATTR)                                \
     extern "C" __global__ void ATTR __launch_bounds__(THREADS, MINB)                        \
-    cps_topk_##SUFFIX(const float* __restrict__ logits, long long width,                    \
-                      const int* __restrict__ row_starts, const int* __restrict__ row_ends, \
-                      const int* __restrict__ context_lens, int next_n, int mode, int k,    \
-                      int* __restrict__ out, const int* __restrict__ block_table,           \
-                      int bt_cols, int bs_shift) {                                          \
-        tk_body<THREADS, VEC, C, CAND>(logits, width, row_starts, row_ends, context_lens,   \
-                                 next_n, mode, k, out, block_table, bt_cols, bs_shift);     \
+    cps_topk_##SUFFIX(TK_PARAMS) {                                                          \
+        tk_body<THREADS, VEC, C, CAND>(TK_ARGS);                                            \
     }
 
 // The cluster variants run one CTA an SM (choose_cluster keeps their grid within one
@@ -810,3 +1270,15 @@ TK_KERNEL(256, 4, 1, TK_CAND_ONE_CTA, 4, c1_t256, )
 TK_KERNEL(512, 8, 2, TK_CAND_CLUSTER, 1, c2, __cluster_dims__(2, 1, 1))
 TK_KERNEL(512, 8, 4, TK_CAND_CLUSTER, 1, c4, __cluster_dims__(4, 1, 1))
 TK_KERNEL(512, 8, 8, TK_CAND_CLUSTER, 1, c8, __cluster_dims__(8, 1, 1))
+
+// Rows in shared memory: grid = rows, dynamic shared memory = the row buffer
+// (16 * ((width + 6) / 4) bytes: up to 3 values before the row and 3 after it).
+#define TK_SROW_KERNEL(THREADS, MINB, SUFFIX)                                               \
+    extern "C" __global__ void __launch_bounds__(THREADS, MINB)                             \
+    cps_topk_##SUFFIX(TK_PARAMS) {                                                          \
+        tk_srow_body<THREADS>(TK_ARGS);                                                     \
+    }
+
+// 256 threads, five CTAs an SM (48 registers; a 32 KB row buffer at width 8192): 512
+// threads and 128 were slower on every shape measured (performance.md).
+TK_SROW_KERNEL(256, 5, r256)

@@ -5,11 +5,13 @@ call can be captured in a CUDA graph): short rows (``len <= k``) are written
 ``0..len-1, -1, ...`` without reading logits; longer rows get exactly k
 positions of their k largest values, in no particular order.
 
-Work split: one CTA a row when there are enough rows to fill the GPU (or rows
-are short: then 256-thread CTAs, four an SM); otherwise a thread-block cluster
-of C CTAs (2, 4 or 8) splits each row and merges through distributed shared
-memory. The choice depends only on the shapes (rows, width) and the device's
-SM count, never on values. ``benchmarks/bench_topk.py`` times every variant.
+Work split: rows of at most ``ROW_WIDTH`` values run one 256-thread CTA a row
+with the whole row in shared memory (variant ``r256``, five CTAs an SM at width
+8192); wider rows one 512-thread CTA a row when there are enough rows to fill the
+GPU, otherwise a thread-block cluster of C CTAs (2, 4 or 8) that splits each row
+and merges through distributed shared memory. The choice depends only on the
+shapes (rows, width) and the device's SM count, never on values.
+``benchmarks/bench_topk.py`` times every variant.
 """
 
 from typing import Any
@@ -25,13 +27,18 @@ CAND_CLUSTER = 8192        # TK_CAND_CLUSTER
 # Compiled configurations (topk.cu's TK_KERNEL lines): name -> (CTAs a row, threads,
 # candidates a buffer); the launch takes two buffers of 8-byte candidates as dynamic
 # shared memory.
+# The r* variants hold the whole row in shared memory (the launch sizes the buffer to the
+# width: row_buffer_bytes) and keep no candidate buffers.
 VARIANTS = {"c1": (1, 512, CAND_ONE_CTA), "c1_t256": (1, 256, CAND_ONE_CTA),
             "c2": (2, 512, CAND_CLUSTER), "c4": (4, 512, CAND_CLUSTER),
-            "c8": (8, 512, CAND_CLUSTER)}
+            "c8": (8, 512, CAND_CLUSTER), "r256": (1, 256, 0)}
+ROW_VARIANTS = ("r256",)
 DEFAULT_VARIANT = {1: "c1", 2: "c2", 4: "c4", 8: "c8"}
 CLUSTERS = tuple(sorted(DEFAULT_VARIANT))
 SHORT_WIDTH = 16384        # rows no wider than this never split
 MIN_SLICE = 4096           # a CTA's share of a row is at least this many values
+ROW_WIDTH = 16384          # rows no wider than this run with the row in shared memory
+ROW_MAX_WIDTH = 32768      # the widest an r* variant takes (a 128 KB buffer, one CTA an SM)
 # The kernel counts a row's 16-byte units in int32 from the aligned address at or below
 # its start: up to 3 values before the row and 3 after it must fit too.
 MAX_WIDTH = INT32_MAX - 7
@@ -42,10 +49,17 @@ MODE_ROWS, MODE_DECODE, MODE_DECODE_2D = 0, 1, 2
 ARGS = "P q PPP i i i P P ii"
 
 raw_kernels.register_module(
-    "topk", ["common.cuh", "topk.cu"], options=("-default-device",),
+    "topk", ["common.cuh", "hopper.cuh", "topk.cu"], options=("-default-device",),
     capabilities=raw_kernels.at_least(9, 0), ops=("topk_per_row", "topk_per_row_decode"),
     needs="thread-block clusters and distributed shared memory",
     defines=dict(TK_CAND_ONE_CTA=CAND_ONE_CTA, TK_CAND_CLUSTER=CAND_CLUSTER))
+
+
+def row_buffer_bytes(width):
+    """Dynamic shared memory of an r* launch: the 16-byte units of a row of ``width``
+    values read from the aligned address at or below its start (up to 3 values before
+    the row and 3 after it)."""
+    return 16 * ((width + 6) // 4)
 
 
 def _sm_count():
@@ -79,10 +93,16 @@ def _plan(rows, width, cluster, variant):
             if cluster not in DEFAULT_VARIANT:
                 raise ValueError(f"Invalid cluster: expected one of {CLUSTERS}, got {cluster}")
             variant = DEFAULT_VARIANT[cluster]
-            if cluster == 1 and width <= SHORT_WIDTH:
-                variant = "c1_t256"          # short rows: more, smaller CTAs an SM
+            if cluster == 1 and width <= ROW_WIDTH:
+                variant = "r256"             # the row in shared memory
         cluster, threads, cand = VARIANTS[variant]
-        smem = 2 * cand * 8
+        if variant in ROW_VARIANTS:
+            if width > ROW_MAX_WIDTH:
+                raise ValueError(f"Invalid variant: {variant} takes rows of at most "
+                                 f"{ROW_MAX_WIDTH} values, got width={width}")
+            smem = row_buffer_bytes(width)
+        else:
+            smem = 2 * cand * 8
         if len(_PLANS) > 1024:
             _PLANS.clear()
         fn = raw_kernels.kernel("topk", f"cps_topk_{variant}", ARGS, smem=smem)
