@@ -138,8 +138,9 @@ __device__ __forceinline__ float tk_key_float(u32 key) {        // tk_key's inve
 // every value's coarse key. Each half of the warp searches the order keys 16 ways a
 // round, from a bracket of +-2**16 keys around the bin's estimated start ((its first
 // fp16 value - bias) / scale), checked by the coarse keys at its ends (the whole range
-// -inf .. +inf when the check fails): four rounds where two full 32-way searches took
-// seven each, in a row (the srow body's CTA waits for them at a barrier).
+// -inf .. +inf when the check fails): five rounds (eight without a bracket) where two
+// full 32-way searches took seven each, in a row (the srow body's CTA waits for them at
+// a barrier).
 __device__ __forceinline__ float tk_coarse_floor2(u32 b, float scale, float bias, int lane) {
     const u32 first = 0x007FFFFFu, sentinel = 0xFF800001u;   // -inf, past +inf
     const u32 span = 1u << 16;
