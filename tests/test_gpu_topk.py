@@ -166,7 +166,8 @@ VARIANTS = ["c1", "c1_t256", "c2", "c4", "c8"] + ROW_VARIANTS
 
 def _row_n(variant, n):
     """n, or for a row-in-shared-memory variant a width it takes (the widest it can)."""
-    return min(n, 32768 - 6) if variant in ROW_VARIANTS else n
+    from cpsparse.raw_kernels import topk
+    return min(n, topk.ROW_MAX_WIDTH - 6) if variant in ROW_VARIANTS else n
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -516,13 +516,18 @@ __device__ __forceinline__ void tk_find_cluster(TkSmem& s, const u32* h, u32 nee
     if (lane == 0) tk_decide(s, T, tot_n, tot_t - tot_n, ab, eb, el, mode);
 }
 
+// Every kernel's parameters (and the bodies', which the entry points forward them to).
+#define TK_PARAMS                                                                           \
+    const float* __restrict__ logits, long long width, const int* __restrict__ row_starts,  \
+        const int* __restrict__ row_ends, const int* __restrict__ context_lens, int next_n, \
+        int mode, int k, int* __restrict__ out, const int* __restrict__ block_table,        \
+        int bt_cols, int bs_shift
+
+#define TK_ARGS logits, width, row_starts, row_ends, context_lens, next_n, mode, k, out,     \
+                block_table, bt_cols, bs_shift
+
 template <int THREADS, int VEC, int C, int CAND>
-__device__ __forceinline__ void tk_body(const float* __restrict__ logits, long long width,
-                                        const int* __restrict__ row_starts,
-                                        const int* __restrict__ row_ends,
-                                        const int* __restrict__ ctx, int next_n, int mode,
-                                        int k, int* __restrict__ out,
-                                        const int* __restrict__ table, int cols, int shift) {
+__device__ __forceinline__ void tk_body(TK_PARAMS) {
     constexpr int NW = THREADS / 32;
     constexpr int BPT = TK_BINS / THREADS;      // histogram bins owned by a thread
     constexpr int TILE = THREADS * VEC;         // float4 units a tile
@@ -542,13 +547,13 @@ __device__ __forceinline__ void tk_body(const float* __restrict__ logits, long l
     const int rank = C > 1 ? (int)tk_cluster_rank() : 0;
 
     long long st, en;
-    tk_row_window(row, width, row_starts, row_ends, ctx, next_n, mode, st, en);
+    tk_row_window(row, width, row_starts, row_ends, context_lens, next_n, mode, st, en);
     int* __restrict__ orow = out + (long long)row * k;
     if (tid == 0) {
-        s.pages = table != nullptr && mode != 0 ? table + (long long)(row / next_n) * cols
-                                                : nullptr;
-        s.cols = cols;
-        s.shift = shift;
+        s.pages = block_table != nullptr && mode != 0
+                      ? block_table + (long long)(row / next_n) * bt_cols : nullptr;
+        s.cols = bt_cols;
+        s.shift = bs_shift;
     }
     __syncthreads();
     if (en - st <= (long long)k) {                // short row: 0..n-1, then -1
@@ -940,8 +945,8 @@ __device__ __forceinline__ float tk_pick(const float (&xs)[4], int c) {
     return c == 0 ? xs[0] : c == 1 ? xs[1] : c == 2 ? xs[2] : xs[3];
 }
 
-// base[j] = v, the address formed from base and j (left to itself the compiler rebuilt
-// the 64-bit address from the row's index at every store: two instructions more).
+// base[j] = v, the address formed from base and j (left to itself the compiler multiplied
+// the row index out again at every store of the write pass).
 __device__ __forceinline__ void tk_store(int* base, u32 j, int v) {
     asm volatile("{\n\t.reg .u64 a;\n\tmad.wide.u32 a, %0, 4, %1;\n\t"
                  "st.global.b32 [a], %2;\n\t}" :: "r"(j), "l"(base), "r"(v) : "memory");
@@ -965,12 +970,7 @@ struct TkRowState {
 };
 
 template <int THREADS>
-__device__ __forceinline__ void tk_srow_body(const float* __restrict__ logits, long long width,
-                                             const int* __restrict__ row_starts,
-                                             const int* __restrict__ row_ends,
-                                             const int* __restrict__ ctx, int next_n, int mode,
-                                             int k, int* __restrict__ out,
-                                             const int* __restrict__ table, int cols, int shift) {
+__device__ __forceinline__ void tk_srow_body(TK_PARAMS) {
     constexpr int NW = THREADS / 32;
     constexpr int BPT = TK_BINS / THREADS;
     static_assert(TK_BINS % THREADS == 0, "bins per thread");
@@ -987,11 +987,12 @@ __device__ __forceinline__ void tk_srow_body(const float* __restrict__ logits, l
     const int lane = tid & 31, warp = tid >> 5;
     const int row = (int)(gridDim.x - 1u - blockIdx.x);
     long long st, en;
-    tk_row_window(row, width, row_starts, row_ends, ctx, next_n, mode, st, en);
+    tk_row_window(row, width, row_starts, row_ends, context_lens, next_n, mode, st, en);
     int* __restrict__ orow = out + (long long)row * k;
     const int n = (int)(en - st);
-    const TkSlotMap map = {table != nullptr && mode != 0 ? table + (long long)(row / next_n) * cols
-                                                         : nullptr, cols, shift};
+    const TkSlotMap map = {block_table != nullptr && mode != 0
+                               ? block_table + (long long)(row / next_n) * bt_cols : nullptr,
+                           bt_cols, bs_shift};
     if (n <= k) {                                  // short row: 0..n-1, then -1
         for (int j = tid; j < k; j += THREADS) orow[j] = j < n ? tk_out(map, j) : -1;
         return;
@@ -1249,15 +1250,6 @@ __device__ __forceinline__ void tk_srow_body(const float* __restrict__ logits, l
 // only; NULL otherwise) makes the rows global cache slots (tk_out). Grid:
 // rows * C CTAs, C consecutive CTAs a row (a cluster); dynamic shared memory
 // 2 * CAND * 8 bytes (topk.py's VARIANTS; TK_CAND_* are #defined by topk.py).
-#define TK_PARAMS                                                                           \
-    const float* __restrict__ logits, long long width, const int* __restrict__ row_starts,  \
-        const int* __restrict__ row_ends, const int* __restrict__ context_lens, int next_n, \
-        int mode, int k, int* __restrict__ out, const int* __restrict__ block_table,        \
-        int bt_cols, int bs_shift
-
-#define TK_ARGS logits, width, row_starts, row_ends, context_lens, next_n, mode, k, out,     \
-                block_table, bt_cols, bs_shift
-
 #define TK_KERNEL(THREADS, VEC, C, CAND, MINB, SUFFIX, ATTR)                                \
     extern "C" __global__ void ATTR __launch_bounds__(THREADS, MINB)                        \
     cps_topk_##SUFFIX(TK_PARAMS) {                                                          \

@@ -28,11 +28,11 @@ CAND_CLUSTER = 8192        # TK_CAND_CLUSTER
 # candidates a buffer); the launch takes two buffers of 8-byte candidates as dynamic
 # shared memory.
 # The r* variants hold the whole row in shared memory (the launch sizes the buffer to the
-# width: row_buffer_bytes) and keep no candidate buffers.
+# width: row_buffer_bytes) and keep no candidate buffers: those with 0 candidates.
 VARIANTS = {"c1": (1, 512, CAND_ONE_CTA), "c1_t256": (1, 256, CAND_ONE_CTA),
             "c2": (2, 512, CAND_CLUSTER), "c4": (4, 512, CAND_CLUSTER),
             "c8": (8, 512, CAND_CLUSTER), "r256": (1, 256, 0)}
-ROW_VARIANTS = ("r256",)
+ROW_VARIANTS = tuple(name for name, (_, _, cand) in VARIANTS.items() if cand == 0)
 DEFAULT_VARIANT = {1: "c1", 2: "c2", 4: "c4", 8: "c8"}
 CLUSTERS = tuple(sorted(DEFAULT_VARIANT))
 SHORT_WIDTH = 16384        # rows no wider than this never split
