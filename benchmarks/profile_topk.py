@@ -40,8 +40,8 @@ _STAMP = "tk_trace_at"
 _DONE = EVENTS.index("done")
 # (anchor, replacement): each anchor must occur once in topk.cu (tests/test_profile_topk.py).
 TRACE = [
-    ("#define TK_MAX_CLUSTER 8\n",
-     "#define TK_MAX_CLUSTER 8\n"
+    ("#define TK_MAX_CLUSTER 16\n",
+     "#define TK_MAX_CLUSTER 16\n"
      f"__device__ long long tk_trace[{TRACE_CTAS}][{len(EVENTS) + len(GLOBAL_EVENTS)}];\n"
      f"__device__ __forceinline__ void {_STAMP}(int ev) {{\n"
      f"    if (threadIdx.x == 0 && blockIdx.x < {TRACE_CTAS}) {{\n"

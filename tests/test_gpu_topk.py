@@ -161,7 +161,7 @@ def test_length_classes(cp, ktopk, k, cluster):
 
 # The r* variants hold the row in shared memory: rows up to topk.ROW_MAX_WIDTH (32768).
 ROW_VARIANTS = ["r256"]
-VARIANTS = ["c1", "c1_t256", "c2", "c4", "c8"] + ROW_VARIANTS
+VARIANTS = ["c1", "c1_t256", "c2", "c4", "c8", "c16"] + ROW_VARIANTS
 
 
 def _row_n(variant, n):
@@ -308,7 +308,7 @@ def test_decode(cp, next_n, two_d, width):
     check_rows(logits, np.zeros_like(ends), ends, k, out.get())
 
 
-@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
+@pytest.mark.parametrize("cluster", [1, 2, 4, 8, 16])
 def test_decode_cluster_variants(cp, ktopk, cluster):
     rng = np.random.default_rng(cluster)
     k, next_n, width = 2048, 2, 131072

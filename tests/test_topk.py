@@ -413,3 +413,19 @@ def test_kernel_launcher_refuses_rows_its_int32_unit_count_cannot_hold(width, ok
     monkeypatch.setattr(ktopk, "_plan", plan)
     with pytest.raises(Planned if ok else ValueError, match=None if ok else "at most"):
         ktopk._launch(None, Shape(), None, None, None, 1, ktopk.MODE_ROWS, 2048, None, None)
+
+
+@pytest.mark.parametrize("rows, width, largest, want", [
+    (1, 131072, 16, 16), (4, 131072, 16, 16), (5, 131072, 16, 8), (8, 131072, 16, 8),
+    (9, 131072, 16, 8),
+    (4, 131072, 8, 8), (4, 65536, 16, 16), (4, 32768, 16, 8), (64, 131072, 16, 2),
+    (64, 32768, 16, 2), (256, 32768, 16, 1), (1, 16384, 16, 1)])
+def test_cluster_choice(rows, width, largest, want):
+    """CTAs a row: doubled while the grid stays one wave and each slice keeps MIN_SLICE
+    values, never past the device's largest cluster (16 only where non-portable sizes
+    run, and only while the grid takes at most half the SMs)."""
+    from cpsparse.raw_kernels import topk as ktopk
+    assert ktopk.choose_cluster(rows, width, 132, largest) == want
+    assert ktopk.max_cluster((9, 0)) == 16
+    assert ktopk.max_cluster((10, 0)) == ktopk.max_cluster((12, 0)) == 8
+    assert all(ktopk.DEFAULT_VARIANT[c] in ktopk.VARIANTS for c in ktopk.CLUSTERS)

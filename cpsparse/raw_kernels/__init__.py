@@ -566,11 +566,18 @@ def _param_sizes(fptr):
     return None
 
 
-def kernel(module, name, signature, smem=0, carveout=None):
+# CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (cuda.h's CUfunction_attribute).
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+PORTABLE_CLUSTER = 8     # the most CTAs a cluster may hold without that attribute
+
+
+def kernel(module, name, signature, smem=0, carveout=None, cluster=1):
     """The :class:`Kernel` ``name`` of ``module`` on the current device (memoized), with
     its dynamic shared-memory limit raised to at least ``smem`` bytes.
 
-    ``signature`` is its C parameter list (see :class:`Kernel`).
+    ``signature`` is its C parameter list (see :class:`Kernel`). ``cluster``: the CTAs
+    a cluster of the kernel (its ``__cluster_dims__``); above ``PORTABLE_CLUSTER`` the
+    function is allowed a non-portable cluster size (Hopper takes 16).
     """
     key = (current_device(), module, name)
     entry = _KERNELS.get(key)
@@ -578,6 +585,9 @@ def kernel(module, name, signature, smem=0, carveout=None):
         fn = Kernel(get_function(module, name), name, signature).bind(_cupy())
         if carveout is not None:     # function attributes: set on the CuPy function
             fn.raw.preferred_shared_memory_carveout = carveout
+        if cluster > PORTABLE_CLUSTER:
+            from cupy_backends.cuda.api import driver
+            driver.funcSetAttribute(fn.raw.kernel.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
         entry = _KERNELS[key] = [fn, 0]
     if smem > entry[1]:
         entry[0].raw.max_dynamic_shared_size_bytes = int(smem)

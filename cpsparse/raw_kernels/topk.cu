@@ -55,7 +55,7 @@
 
 #define TK_BINS 2048
 #define TK_RANK_MAX 512
-#define TK_MAX_CLUSTER 8
+#define TK_MAX_CLUSTER 16
 
 struct TkSmem {
     u32 hist[2][TK_BINS];
@@ -1263,6 +1263,7 @@ TK_KERNEL(256, 4, 1, TK_CAND_ONE_CTA, 4, c1_t256, )
 TK_KERNEL(512, 8, 2, TK_CAND_CLUSTER, 1, c2, __cluster_dims__(2, 1, 1))
 TK_KERNEL(512, 8, 4, TK_CAND_CLUSTER, 1, c4, __cluster_dims__(4, 1, 1))
 TK_KERNEL(512, 8, 8, TK_CAND_CLUSTER, 1, c8, __cluster_dims__(8, 1, 1))
+TK_KERNEL(512, 4, 16, TK_CAND_CLUSTER, 1, c16, __cluster_dims__(16, 1, 1))
 
 // Rows in shared memory: grid = rows, dynamic shared memory = the row buffer
 // (16 * ((width + 6) / 4) bytes: up to 3 values before the row and 3 after it).

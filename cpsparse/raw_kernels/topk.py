@@ -8,9 +8,10 @@ positions of their k largest values, in no particular order.
 Work split: rows of at most ``ROW_WIDTH`` values run one 256-thread CTA a row
 with the whole row in shared memory (variant ``r256``, five CTAs an SM at width
 8192); wider rows one 512-thread CTA a row when there are enough rows to fill the
-GPU, otherwise a thread-block cluster of C CTAs (2, 4 or 8) that splits each row
-and merges through distributed shared memory. The choice depends only on the
-shapes (rows, width) and the device's SM count, never on values.
+GPU, otherwise a thread-block cluster of C CTAs (2, 4, 8, or 16 on Hopper, a
+non-portable size) that splits each row and merges through distributed shared
+memory. The choice depends only on the shapes (rows, width) and the device's SM
+count and compute capability, never on values.
 ``benchmarks/bench_topk.py`` times every variant.
 """
 
@@ -31,10 +32,14 @@ CAND_CLUSTER = 8192        # TK_CAND_CLUSTER
 # width: row_buffer_bytes) and keep no candidate buffers: those with 0 candidates.
 VARIANTS = {"c1": (1, 512, CAND_ONE_CTA), "c1_t256": (1, 256, CAND_ONE_CTA),
             "c2": (2, 512, CAND_CLUSTER), "c4": (4, 512, CAND_CLUSTER),
-            "c8": (8, 512, CAND_CLUSTER), "r256": (1, 256, 0)}
+            "c8": (8, 512, CAND_CLUSTER), "c16": (16, 512, CAND_CLUSTER),
+            "r256": (1, 256, 0)}
 ROW_VARIANTS = tuple(name for name, (_, _, cand) in VARIANTS.items() if cand == 0)
-DEFAULT_VARIANT = {1: "c1", 2: "c2", 4: "c4", 8: "c8"}
+DEFAULT_VARIANT = {1: "c1", 2: "c2", 4: "c4", 8: "c8", 16: "c16"}
 CLUSTERS = tuple(sorted(DEFAULT_VARIANT))
+# 16 CTAs a cluster is a non-portable size: Hopper (compute capability 9.x) runs it;
+# other devices stop at the portable 8.
+NON_PORTABLE_CLUSTER_CAPABILITIES = (9,)
 SHORT_WIDTH = 16384        # rows no wider than this never split
 MIN_SLICE = 4096           # a CTA's share of a row is at least this many values
 ROW_WIDTH = 16384          # rows no wider than this run with the row in shared memory
@@ -62,20 +67,33 @@ def row_buffer_bytes(width):
     return 16 * ((width + 6) // 4)
 
 
-def _sm_count():
-    return raw_kernels.device_facts().sms
+def max_cluster(capability):
+    """The largest cluster the default plan uses on a device of ``capability``."""
+    return CLUSTERS[-1] if capability[0] in NON_PORTABLE_CLUSTER_CAPABILITIES \
+        else raw_kernels.PORTABLE_CLUSTER
 
 
-def choose_cluster(rows, width, sms):
-    """CTAs per row: 1 unless few rows would leave SMs idle and rows are long."""
+def choose_cluster(rows, width, sms, largest=CLUSTERS[-1]):
+    """CTAs per row: 1 unless few rows would leave SMs idle and rows are long; at most
+    ``largest`` (see :func:`max_cluster`)."""
     c = 1
     if width <= SHORT_WIDTH:
         return c
     # Double while the doubled grid still fits one wave (64 rows -> pairs: measured
     # faster than 4-CTA clusters, whose merge costs more than the extra SMs give).
-    while c < CLUSTERS[-1] and rows * 2 * c <= sms and width // (2 * c) >= MIN_SLICE:
+    # 16-CTA clusters need 16 free SMs of one GPC each: the H200 ran 8 of them (128
+    # CTAs) in two waves (8 x 131072: 23.4 us against 14.5 with 8-CTA clusters), 4 in
+    # one, so a grid of them takes at most half the SMs.
+    while c < largest and width // (2 * c) >= MIN_SLICE and \
+            rows * 2 * c <= (sms if 2 * c <= raw_kernels.PORTABLE_CLUSTER else sms // 2):
         c *= 2
     return c
+
+
+def default_cluster(rows, width):
+    """:func:`choose_cluster` on the current device (the plan's choice)."""
+    facts = raw_kernels.device_facts()
+    return choose_cluster(rows, width, facts.sms, max_cluster(facts.capability))
 
 
 _PLANS: dict[Any, Any] = {}
@@ -89,7 +107,7 @@ def _plan(rows, width, cluster, variant):
     if plan is None:
         if variant is None:
             if cluster is None:
-                cluster = choose_cluster(rows, width, _sm_count())
+                cluster = default_cluster(rows, width)
             if cluster not in DEFAULT_VARIANT:
                 raise ValueError(f"Invalid cluster: expected one of {CLUSTERS}, got {cluster}")
             variant = DEFAULT_VARIANT[cluster]
@@ -105,7 +123,8 @@ def _plan(rows, width, cluster, variant):
             smem = 2 * cand * 8
         if len(_PLANS) > 1024:
             _PLANS.clear()
-        fn = raw_kernels.kernel("topk", f"cps_topk_{variant}", ARGS, smem=smem)
+        fn = raw_kernels.kernel("topk", f"cps_topk_{variant}", ARGS, smem=smem,
+                                cluster=cluster)
         plan = _PLANS[key] = (fn, cluster, threads, smem)
     return plan
 
