@@ -43,7 +43,8 @@
 // Rows of at most topk.ROW_WIDTH values: the same algorithm in tk_srow_body, one CTA a
 // row holding the row in shared memory ("Rows in shared memory" below).
 //
-// Cluster split (C > 1, __cluster_dims__): each CTA owns a contiguous slice;
+// Cluster split (C > 1, __cluster_dims__; C = 16 is a non-portable size, which the
+// launcher allows on the function): each CTA owns a contiguous slice;
 // a round's local histogram becomes suffix sums in place, and after a cluster
 // barrier one warp a CTA sums the C suffix arrays through distributed shared
 // memory at 32 coarse points then 64 bins (the totals are the suffix sums of
