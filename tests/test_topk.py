@@ -426,6 +426,7 @@ def test_cluster_choice(rows, width, largest, want):
     run, and only while the grid takes at most half the SMs)."""
     from cpsparse.raw_kernels import topk as ktopk
     assert ktopk.choose_cluster(rows, width, 132, largest) == want
-    assert ktopk.max_cluster((9, 0)) == 16
-    assert ktopk.max_cluster((10, 0)) == ktopk.max_cluster((12, 0)) == 8
+    assert ktopk.max_cluster((9, 0), 132) == 16
+    assert ktopk.max_cluster((9, 0), 78) == 8                     # H20: GPCs too small
+    assert ktopk.max_cluster((10, 0), 148) == ktopk.max_cluster((12, 0), 170) == 8
     assert all(ktopk.DEFAULT_VARIANT[c] in ktopk.VARIANTS for c in ktopk.CLUSTERS)

@@ -37,9 +37,11 @@ VARIANTS = {"c1": (1, 512, CAND_ONE_CTA), "c1_t256": (1, 256, CAND_ONE_CTA),
 ROW_VARIANTS = tuple(name for name, (_, _, cand) in VARIANTS.items() if cand == 0)
 DEFAULT_VARIANT = {1: "c1", 2: "c2", 4: "c4", 8: "c8", 16: "c16"}
 CLUSTERS = tuple(sorted(DEFAULT_VARIANT))
-# 16 CTAs a cluster is a non-portable size: Hopper (compute capability 9.x) runs it;
-# other devices stop at the portable 8.
+# 16 CTAs a cluster is a non-portable size: Hopper (compute capability 9.x) runs it
+# where its GPCs have 16 free SMs; measured on the 132-SM part (H200). Smaller Hopper
+# parts (H20: 78 SMs) may have none, and other devices stop at the portable 8.
 NON_PORTABLE_CLUSTER_CAPABILITIES = (9,)
+NON_PORTABLE_CLUSTER_MIN_SMS = 132
 SHORT_WIDTH = 16384        # rows no wider than this never split
 MIN_SLICE = 4096           # a CTA's share of a row is at least this many values
 ROW_WIDTH = 16384          # rows no wider than this run with the row in shared memory
@@ -67,10 +69,11 @@ def row_buffer_bytes(width):
     return 16 * ((width + 6) // 4)
 
 
-def max_cluster(capability):
-    """The largest cluster the default plan uses on a device of ``capability``."""
+def max_cluster(capability, sms):
+    """The largest cluster the default plan uses on a device of ``capability`` with
+    ``sms`` multiprocessors."""
     return CLUSTERS[-1] if capability[0] in NON_PORTABLE_CLUSTER_CAPABILITIES \
-        else raw_kernels.PORTABLE_CLUSTER
+        and sms >= NON_PORTABLE_CLUSTER_MIN_SMS else raw_kernels.PORTABLE_CLUSTER
 
 
 def choose_cluster(rows, width, sms, largest=CLUSTERS[-1]):
@@ -93,7 +96,7 @@ def choose_cluster(rows, width, sms, largest=CLUSTERS[-1]):
 def default_cluster(rows, width):
     """:func:`choose_cluster` on the current device (the plan's choice)."""
     facts = raw_kernels.device_facts()
-    return choose_cluster(rows, width, facts.sms, max_cluster(facts.capability))
+    return choose_cluster(rows, width, facts.sms, max_cluster(facts.capability, facts.sms))
 
 
 _PLANS: dict[Any, Any] = {}
