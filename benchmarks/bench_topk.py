@@ -90,13 +90,12 @@ def main(argv=None):
 
             def call(x, _s=starts, _e=ends, _o=out):
                 topk_per_row(x, _s, _e, K, out=_o)
-            cluster = ktopk.default_cluster(m, width)
         else:
             ctx = cp.full(m, width, cp.int32)
 
             def call(x, _c=ctx, _o=out):
                 topk_per_row_decode(x, _c, 1, K, out=_o)
-            cluster = ktopk.default_cluster(m, width)
+        cluster = ktopk.default_cluster(m, width)
         inputs = [(x,) for x in logits]
         eager = timing.time_cuda(call, inputs, warmup=3, iters=30)
         graph = timing.time_graph(call, inputs, reps=w["reps"], iters=10)
