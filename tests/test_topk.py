@@ -430,3 +430,26 @@ def test_cluster_choice(rows, width, largest, want):
     assert ktopk.max_cluster((9, 0), 78) == 8                     # H20: GPCs too small
     assert ktopk.max_cluster((10, 0), 148) == ktopk.max_cluster((12, 0), 170) == 8
     assert all(ktopk.DEFAULT_VARIANT[c] in ktopk.VARIANTS for c in ktopk.CLUSTERS)
+
+
+def test_launch_config_has_cuda_h_layout():
+    """cuOccupancyMaxActiveClusters reads cuda.h's CUlaunchConfig: seven unsigned ints,
+    the stream at 32, the attribute pointer at 40, their count at 48 (56 bytes)."""
+    import ctypes
+    from cpsparse import raw_kernels
+    c = raw_kernels._LaunchConfig
+    assert ctypes.sizeof(c) == 56
+    assert (c.sharedMemBytes.offset, c.hStream.offset, c.attrs.offset,
+            c.numAttrs.offset) == (24, 32, 40, 48)
+
+
+def test_no_non_portable_cluster_where_the_device_runs_none(monkeypatch):
+    """A Hopper part that runs no 16-CTA cluster (GPCs of fewer than 16 SMs; or a driver
+    that does not say) gets 8-CTA clusters by default, never a launch that cannot run."""
+    from cpsparse import raw_kernels
+    from cpsparse.raw_kernels import topk as ktopk
+    facts = raw_kernels.DeviceFacts(0, (9, 0), 132, 233472, 232448)
+    monkeypatch.setattr(raw_kernels, "device_facts", lambda: facts)
+    for capacity, want in [(0, 8), (3, 8), (4, 16), (7, 16)]:
+        monkeypatch.setattr(ktopk, "cluster_capacity", lambda c, n=capacity: n)
+        assert ktopk.default_cluster(4, 131072) == want

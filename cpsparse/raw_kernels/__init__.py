@@ -540,19 +540,37 @@ def _driver_launch():
 _LIBCUDA: list[Any] = []
 
 
-def _param_sizes(fptr):
-    """Byte sizes of a CUfunction's parameters (``cuFuncGetParamInfo``, CUDA 12.4+), or
-    None where the driver does not say."""
+class _LaunchConfig(ctypes.Structure):
+    """cuda.h's CUlaunchConfig (no launch attributes here)."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
+
+
+def _libcuda():
+    """The driver library through ctypes, for the entry points CuPy does not bind (None
+    where it does not load)."""
     if not _LIBCUDA:
         try:
             lib = ctypes.CDLL("libcuda.so.1")
             lib.cuFuncGetParamInfo.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
                                                ctypes.POINTER(ctypes.c_size_t),
                                                ctypes.POINTER(ctypes.c_size_t)]
+            lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int),
+                                                         ctypes.c_void_p,
+                                                         ctypes.POINTER(_LaunchConfig)]
             _LIBCUDA.append(lib)
         except (OSError, AttributeError):
             _LIBCUDA.append(None)
-    lib = _LIBCUDA[0]
+    return _LIBCUDA[0]
+
+
+def _param_sizes(fptr):
+    """Byte sizes of a CUfunction's parameters (``cuFuncGetParamInfo``, CUDA 12.4+), or
+    None where the driver does not say."""
+    lib = _libcuda()
     if lib is None:
         return None
     sizes: list[int] = []
@@ -564,6 +582,21 @@ def _param_sizes(fptr):
             return sizes if rc == 1 else None
         sizes.append(size.value)
     return None
+
+
+def max_active_clusters(fn, cluster, threads, smem):
+    """How many clusters of ``cluster`` CTAs of :class:`Kernel` ``fn`` (its cluster size
+    compiled in, ``threads`` a CTA, ``smem`` bytes of dynamic shared memory) the current
+    device runs at once (``cuOccupancyMaxActiveClusters``); 0 when it runs none or the
+    driver does not say."""
+    lib = _libcuda()
+    if lib is None:
+        return 0
+    config = _LaunchConfig(cluster, 1, 1, threads, 1, 1, smem, None, None, 0)
+    count = ctypes.c_int(0)
+    rc = lib.cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(fn.raw.kernel.ptr),
+                                          ctypes.byref(config))
+    return count.value if rc == 0 else 0
 
 
 # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (cuda.h's CUfunction_attribute).

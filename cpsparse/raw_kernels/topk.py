@@ -62,6 +62,11 @@ raw_kernels.register_module(
     defines=dict(TK_CAND_ONE_CTA=CAND_ONE_CTA, TK_CAND_CLUSTER=CAND_CLUSTER))
 
 
+def cand_buffer_bytes(cand):
+    """Dynamic shared memory of a c* launch: two buffers of ``cand`` 8-byte candidates."""
+    return 2 * cand * 8
+
+
 def row_buffer_bytes(width):
     """Dynamic shared memory of an r* launch: the 16-byte units of a row of ``width``
     values read from the aligned address at or below its start (up to 3 values before
@@ -94,9 +99,33 @@ def choose_cluster(rows, width, sms, largest=CLUSTERS[-1]):
 
 
 def default_cluster(rows, width):
-    """:func:`choose_cluster` on the current device (the plan's choice)."""
+    """:func:`choose_cluster` on the current device (the plan's choice): a non-portable
+    cluster only where the device runs all ``rows`` of them at once
+    (:func:`cluster_capacity`; a Hopper part whose GPCs have fewer than 16 SMs runs
+    none)."""
     facts = raw_kernels.device_facts()
-    return choose_cluster(rows, width, facts.sms, max_cluster(facts.capability, facts.sms))
+    c = choose_cluster(rows, width, facts.sms, max_cluster(facts.capability, facts.sms))
+    while c > raw_kernels.PORTABLE_CLUSTER and rows > cluster_capacity(c):
+        c //= 2
+    return c
+
+
+_CAPACITY: dict[Any, int] = {}
+
+
+def cluster_capacity(cluster):
+    """How many rows' clusters of ``DEFAULT_VARIANT[cluster]`` the current device runs at
+    once (memoized a device; 0 when the driver does not say)."""
+    key = (raw_kernels.current_device(), cluster)
+    got = _CAPACITY.get(key)
+    if got is None:
+        variant = DEFAULT_VARIANT[cluster]
+        _, threads, cand = VARIANTS[variant]
+        smem = cand_buffer_bytes(cand)
+        fn = raw_kernels.kernel("topk", f"cps_topk_{variant}", ARGS, smem=smem,
+                                cluster=cluster)
+        got = _CAPACITY[key] = raw_kernels.max_active_clusters(fn, cluster, threads, smem)
+    return got
 
 
 _PLANS: dict[Any, Any] = {}
@@ -123,7 +152,7 @@ def _plan(rows, width, cluster, variant):
                                  f"{ROW_MAX_WIDTH} values, got width={width}")
             smem = row_buffer_bytes(width)
         else:
-            smem = 2 * cand * 8
+            smem = cand_buffer_bytes(cand)
         if len(_PLANS) > 1024:
             _PLANS.clear()
         fn = raw_kernels.kernel("topk", f"cps_topk_{variant}", ARGS, smem=smem,
