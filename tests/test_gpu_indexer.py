@@ -211,6 +211,7 @@ LENS = [1, 63, 64, 65, 129, 700, 20000, 2]
     (8, 1, False), (8, 2, True), (8, 4, False),
     (32, 1, True), (32, 2, False), (32, 4, True),
     (64, 1, False), (64, 2, True), (64, 4, False),
+    (60, 2, False), (64, 3, True),        # the _h64 kernels: 4 zero-padded heads, 2 chunks
 ])
 def test_paged_mqa_logits_matches_reference(cp, kin, heads, next_n, two_d):
     rng = np.random.default_rng(1000 * heads + 10 * next_n + two_d)
@@ -227,6 +228,47 @@ def test_paged_mqa_logits_matches_reference(cp, kin, heads, next_n, two_d):
                             f"piece_tiles={pt}")
     got = cpsparse.indexer.paged_mqa_logits(dq, dcache, dw, dctx, dtable, width)
     _check(got, expect, f"public paged H={heads} next_n={next_n}")
+
+
+@pytest.mark.parametrize("heads,next_n,fp4", [
+    (64, 1, False), (64, 2, False), (60, 3, False), (64, 1, True), (64, 2, True),
+])
+def test_paged_h64_kernels_write_the_generic_bits(cp, kin, heads, next_n, fp4):
+    """The decode kernels built for 64 padded heads (``_h64``, the default plan for H = 57-64
+    on the wgmma path) write exactly the bits of the kernels that take the head count at
+    run time: ragged and 2-D lengths, a missing page, 1-tile pieces (every tile a row end)."""
+    rng = np.random.default_rng(4000 + heads + 10 * next_n + fp4)
+    lens = [1, 63, 64, 65, 700, 9000, 2]
+    width = 9000 + 29
+    if fp4:
+        nb = len(lens) * (-(-width // 64)) + 3
+        host = cpsparse.IndexerKCache(nb, 64, 128, dtype="mxfp4")
+        k = rng.standard_normal((nb * 64, 128)).astype(np.float32)
+        host.insert(k, np.arange(nb * 64, dtype=np.int32))
+        table = rng.permutation(nb).astype(np.int32)[:len(lens) * (nb // len(lens))]
+        table = table.reshape(len(lens), -1)
+        ctx = np.asarray(lens, np.int32)
+        q8, w = _queries(rng, (len(lens), next_n, heads, 128))
+    else:
+        host, q8, w, ctx, table = _paged_batch(rng, lens, next_n, heads, two_d=next_n > 1)
+    table[5, 3] = -1                                          # a missing page: -inf, unread
+    dcache = cpsparse.IndexerKCache.wrap(cp.asarray(host.data), 64, 128, dtype=host.dtype)
+    dq, dw, dctx, dtable = (cp.asarray(a) for a in (q8, w, ctx, table))
+    batch = len(lens)
+    path, plan, fn = kin.paged_plan(batch, next_n, heads, 128, width, 64, fp4=fp4)
+    assert fn.name.endswith("_h64_s3"), fn.name
+    generic = kin._kernel(fn.name.replace("_h64", ""), kin.PAGED_ARGS,
+                          kin.smem_bytes(plan[2] * plan[1], plan[4]))
+    for pt in (None, 1):
+        outs = []
+        for f in (fn, generic):
+            out = cp.full((batch * next_n, width), np.nan, dtype=cp.float32)
+            kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=out,
+                                 piece_tiles=pt, plan=(path, plan, f))
+            outs.append(out.get())
+        assert not np.isnan(outs[0]).any(), "unwritten (NaN-poisoned) outputs"
+        assert np.array_equal(outs[0], outs[1]), \
+            f"H={heads} next_n={next_n} fp4={fp4} piece_tiles={pt}: _h64 differs from generic"
 
 
 @pytest.mark.parametrize("block_size", [16, 128])

@@ -440,3 +440,18 @@ def test_decode_fused_slots_public(cp, block_size, two_d):
                               block_table=cp.asarray(table), block_size=block_size)
     assert got is out
     assert np.array_equal(np.sort(got.get(), axis=1), np.sort(want, axis=1))
+
+
+def test_cluster_capacity_on_the_device(cp, ktopk):
+    """The driver's count of co-resident clusters (cuOccupancyMaxActiveClusters) is read:
+    portable 8-CTA clusters fit at least once, the non-portable 16 fit where the plan uses
+    them (the H200: 7; four rows ran in one wave) and the default never picks a cluster the
+    device cannot hold for every row."""
+    from cpsparse import raw_kernels
+    assert ktopk.cluster_capacity(8) >= 1
+    facts = raw_kernels.device_facts()
+    if ktopk.max_cluster(facts.capability, facts.sms) == 16:
+        assert ktopk.cluster_capacity(16) >= 4
+    for rows in (1, 2, 4, 8, 16, 64):
+        c = ktopk.default_cluster(rows, 131072)
+        assert c <= raw_kernels.PORTABLE_CLUSTER or rows <= ktopk.cluster_capacity(c), (rows, c)

@@ -278,13 +278,22 @@ __device__ __forceinline__ u32 cps_e2m1x4_to_e4m3(u32 b, u32 lo, u32 hi) {
     return mag | ((sgn << 1) & 0x80808080u);
 }
 
-template <int NC, bool WG, bool PAGED, bool WREG, int STAGES, bool FP4 = false>
+// HP > 0: the padded head count hp is HP, known at compile time (then rpc = NC / HP):
+// the column decomposition folds to constants and so does the epilogue's row-end mask,
+// whose 8-column groups otherwise each carry a runtime test and a branch that keeps the
+// compiler from moving the next group's weight loads ahead (decode kernels _h64).
+template <int NC, bool WG, bool PAGED, bool WREG, int STAGES, bool FP4 = false, int HP = 0>
 __device__ __forceinline__ void cps_idx_cta(
         const CpsIdxSmem& s, int nrows, int rpc, int nch, int H, int hp,
         const u8* __restrict__ q, const float* __restrict__ w, long long q_row0,
         const u8* __restrict__ kc, const float* __restrict__ ksc,
         int bt_first, long long page_bytes, int bs_shift,
         float* __restrict__ out, long long out_row0, long long ld, int own_lo, int own_hi) {
+    static_assert(HP == 0 || (HP % 8 == 0 && NC % HP == 0), "HP: a multiple of 8 dividing NC");
+    if constexpr (HP > 0) {
+        hp = HP;
+        rpc = NC / HP;
+    }
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
 
@@ -313,7 +322,6 @@ __device__ __forceinline__ void cps_idx_cta(
         cps_fill_neg_inf(row, t_hi, own_hi, tid);
     }
     if (ntiles == 0) return;
-
     const int bs_mask = (1 << bs_shift) - 1;
 
     // Query block (cp.async group 0) and column weights.
@@ -638,7 +646,7 @@ cps_mqa_logits_mma(const u8* __restrict__ q, const u8* __restrict__ kc,
 // rows of request b. Row (b, j) sees positions < L_b - next_n + j + 1 (1-D lens) or
 // < lens[b, j] (2-D lens). The page ids of the piece are read together with the lengths
 // (entries past the context are read but never used).
-template <int NC, bool WG, bool WREG, int STAGES, bool FP4>
+template <int NC, bool WG, bool WREG, int STAGES, bool FP4, int HP>
 __device__ __forceinline__ void cps_paged_body(
         const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w,
         const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,
@@ -670,35 +678,46 @@ __device__ __forceinline__ void cps_paged_body(
     const long long row0 = (long long)b * next_n;
     // fp8 pages: 128 code bytes and a float32 scale a key; MXFP4: 64 and an int32
     const long long page_bytes = (long long)(1 << bs_shift) * ((FP4 ? CPS_IDX_D / 2 : CPS_IDX_D) + 4);
-    cps_idx_cta<NC, WG, true, WREG, STAGES, FP4>(s, next_n, rpc, nch, H, hp, q, w, row0, cache, nullptr,
+    cps_idx_cta<NC, WG, true, WREG, STAGES, FP4, HP>(s, next_n, rpc, nch, H, hp, q, w, row0, cache, nullptr,
                                       bt_first, page_bytes, bs_shift,
                                       out, row0, (long long)width, own_lo, own_hi);
 }
 
-#define CPS_PAGED_KERNEL(NAME, NC, WG, WREG, STAGES, MINB, FP4)                               \
+#define CPS_PAGED_KERNEL(NAME, NC, WG, WREG, STAGES, MINB, FP4, HP)                           \
     extern "C" __global__ void __launch_bounds__(CPS_IDX_THREADS, MINB)                       \
     NAME(const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w, \
          const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,  \
          int num_blocks, float* __restrict__ out, int width, int next_n, int H, int hp,       \
          int nch, int bs_shift, int piece_tiles) {                                            \
-        cps_paged_body<NC, WG, WREG, STAGES, FP4>(q, cache, w, lens, lens_2d, bt, bt_cols,    \
-                                             num_blocks, out, width, next_n, H, hp, nch,      \
-                                             bs_shift, piece_tiles);                          \
+        cps_paged_body<NC, WG, WREG, STAGES, FP4, HP>(q, cache, w, lens, lens_2d, bt,         \
+                                                      bt_cols, num_blocks, out, width,        \
+                                                      next_n, H, hp, nch, bs_shift,           \
+                                                      piece_tiles);                           \
     }
 
 // _n64: one chunk of 64 columns (weights in registers); _n128m: chunks of 128 columns,
 // one or several (weights in smem: CPS_IDX_N128M_MINB = 5 CTAs an SM, measured faster
 // than 4 with the weights in registers); _sS: S key tiles in the ring (the launcher's
-// DECODE_STAGES = 3 for wgmma, MMA_STAGES = 4 for mma.sync).
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n64_s3, 64, true, true, 3, 6, false)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128m_s3, 128, true, false, 3, CPS_IDX_N128M_MINB, false)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n64_s4, 64, false, true, 4, 3, false)
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n128m_s4, 128, false, false, 4, 3, false)
+// DECODE_STAGES = 3 for wgmma, MMA_STAGES = 4 for mma.sync); _h64: built for 64 padded
+// heads (DeepSeek-V3.2's indexer; the launcher picks it when hp == 64), the others take
+// hp at run time.
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n64_s3, 64, true, true, 3, 6, false, 0)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128m_s3, 128, true, false, 3, CPS_IDX_N128M_MINB,
+                 false, 0)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n64_h64_s3, 64, true, true, 3, 6, false, 64)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_wgmma_n128m_h64_s3, 128, true, false, 3,
+                 CPS_IDX_N128M_H64_MINB, false, 64)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n64_s4, 64, false, true, 4, 3, false, 0)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_mma_n128m_s4, 128, false, false, 4, 3, false, 0)
 // MXFP4 keys (pages of at least 64 keys: the contiguous tile path), wgmma only; the
 // 128-column kernel at 4 CTAs an SM (its A fragments in registers: at 5 it spilled).
-CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n64_s3, 64, true, true, 3, 6, true)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n64_s3, 64, true, true, 3, 6, true, 0)
 CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n128m_s3, 128, true, false, 3,
-                 CPS_IDX_N128M_FP4_MINB, true)
+                 CPS_IDX_N128M_FP4_MINB, true, 0)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n64_h64_s3, 64, true, true, 3,
+                 CPS_IDX_N64_FP4_H64_MINB, true, 64)
+CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n128m_h64_s3, 128, true, false, 3,
+                 CPS_IDX_N128M_FP4_MINB, true, 64)
 
 // ---- prefill, warp-specialized (sm_90a) ---------------------------------------------
 // Persistent CTAs (grid <= SMs) of CPS_IDX_WS_MATH math warpgroups and a producer

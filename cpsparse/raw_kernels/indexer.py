@@ -38,6 +38,10 @@ WS_MATH_REGS = 112       #                                                    (C
 MAX_QROWS = 512          # next_n * hp columns per decode CTA
 N128M_CTAS_PER_SM = 5    # launch bounds of the 128-column decode kernels (CPS_IDX_N128M_MINB)
 N128M_CTAS_PER_SM_FP4 = 4   # ... with MXFP4 keys (CPS_IDX_N128M_FP4_MINB)
+# The _h64 kernels keep more of the epilogue's weights in flight: at the generic kernels'
+# bounds (5 and 6 CTAs an SM) these two spilled a register.
+N128M_H64_CTAS_PER_SM = 4   # (CPS_IDX_N128M_H64_MINB)
+N64_FP4_H64_CTAS_PER_SM = 5   # (CPS_IDX_N64_FP4_H64_MINB)
 MAX_PIECE_TILES = 128
 
 
@@ -59,7 +63,9 @@ raw_kernels.register_module(
                  CPS_IDX_WS_MATH=WS_MATH, CPS_IDX_WS_STAGES=WS_STAGES,
                  CPS_IDX_WS_PREGS=WS_PRODUCER_REGS, CPS_IDX_WS_MREGS=WS_MATH_REGS,
                  CPS_IDX_WS_SMEM_LAUNCH=ws_smem_bytes(), CPS_IDX_N128M_MINB=N128M_CTAS_PER_SM,
-                 CPS_IDX_N128M_FP4_MINB=N128M_CTAS_PER_SM_FP4))
+                 CPS_IDX_N128M_FP4_MINB=N128M_CTAS_PER_SM_FP4,
+                 CPS_IDX_N128M_H64_MINB=N128M_H64_CTAS_PER_SM,
+                 CPS_IDX_N64_FP4_H64_MINB=N64_FP4_H64_CTAS_PER_SM))
 
 # C parameter lists (raw_kernels.Kernel letters).
 # cps_mqa_logits_*: q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks
@@ -144,13 +150,15 @@ def mqa_logits(cp, q_codes, k_codes, k_scales, weights, ks, ke, out=None, path=N
 
 
 def decode_plan(batch, next_n, heads, width, block_size, sms, smem_per_sm, stages=DECODE_STAGES,
-                fp4=False):
+                fp4=False, fixed=False):
     """Launch shape of the paged kernel, or None when it does not cover the case.
 
     Returns (variant, nc, nch, hp, stages, piece_tiles, pieces): kernel variant
     ("n64" or "n128m"), column chunk (64 or 128) and count, padded heads,
     ring depth, tiles (64 keys) per piece and pieces per request. Pure function of
     the shapes and the device (``sms``, ``smem_per_sm``): the op caches it per shape.
+    ``fixed``: the kernel built for these padded heads runs (:func:`paged_kernel_name`),
+    whose launch bounds differ.
 
     Each request's context is cut into equal pieces, one CTA each, so that the
     grid fills whole waves of resident CTAs: a CTA has a fixed start-up cost
@@ -176,8 +184,11 @@ def decode_plan(batch, next_n, heads, width, block_size, sms, smem_per_sm, stage
     if variant != "n64":
         # registers: launch bounds 5, or 4 with MXFP4 keys (their expanded A fragments
         # live in registers beside the 128-column accumulator: 113 a thread; at 5 CTAs an
-        # SM, 96, they spilled)
-        per_sm = min(per_sm, N128M_CTAS_PER_SM_FP4 if fp4 else N128M_CTAS_PER_SM)
+        # SM, 96, they spilled) or in the _h64 kernel
+        per_sm = min(per_sm, N128M_CTAS_PER_SM_FP4 if fp4 else
+                     N128M_H64_CTAS_PER_SM if fixed else N128M_CTAS_PER_SM)
+    elif fp4 and fixed:
+        per_sm = min(per_sm, N64_FP4_H64_CTAS_PER_SM)
     slots = max(1, sms * per_sm)
     tiles_w = -(-int(width) // TILE)
     cap = max(1, min(MAX_PIECE_TILES, (BT_CAP - 1) * bs // TILE))
@@ -190,6 +201,18 @@ def decode_plan(batch, next_n, heads, width, block_size, sms, smem_per_sm, stage
         waves += 1
     pt = max(1, min(pt, cap))
     return variant, nc, nch, hp, stages, pt, -(-tiles_w // pt)
+
+
+# Padded head counts with decode kernels built for them (indexer.cu's _h64: the epilogue's
+# row ends at compile time); the wgmma path only.
+PAGED_HP_KERNELS = (64,)
+
+
+def paged_kernel_name(path, variant, hp, stages, fp4=False):
+    """The decode kernel of a plan: ``cps_paged_mqa_logits_[fp4_]{path}_{variant}[_hHP]_s{stages}``
+    (``_h64`` where the wgmma path has a kernel built for ``hp`` heads)."""
+    fixed = f"_h{hp}" if path == "wgmma" and hp in PAGED_HP_KERNELS else ""
+    return f"cps_paged_mqa_logits_{'fp4_' if fp4 else ''}{path}_{variant}{fixed}_s{stages}"
 
 
 _PLANS: dict[Any, Any] = {}
@@ -207,13 +230,15 @@ def paged_plan(batch, next_n, heads, dim, width, block_size, path=None, fp4=Fals
         path_ = _pick_path(path)
         stages = DECODE_STAGES if path_ == "wgmma" else MMA_STAGES
         covered = dim == D and (not fp4 or (path_ == "wgmma" and block_size >= TILE))
+        fixed = path_ == "wgmma" and _round8(heads) in PAGED_HP_KERNELS
         plan = None if not covered else decode_plan(batch, next_n, heads, width, block_size,
-                                                    facts.sms, facts.smem_per_sm, stages, fp4)
+                                                    facts.sms, facts.smem_per_sm, stages, fp4,
+                                                    fixed)
         fn = None
         if plan is not None:
-            variant, nc, nch = plan[:3]
-            name = f"cps_paged_mqa_logits_{'fp4_' if fp4 else ''}{path_}_{variant}_s{stages}"
-            fn = _kernel(name, PAGED_ARGS, smem_bytes(nch * nc, stages))
+            variant, nc, nch, hp = plan[:4]
+            fn = _kernel(paged_kernel_name(path_, variant, hp, stages, fp4), PAGED_ARGS,
+                         smem_bytes(nch * nc, stages))
         hit = _PLANS[key] = (path_, plan, fn)
     return hit
 
