@@ -230,14 +230,19 @@ def test_paged_mqa_logits_matches_reference(cp, kin, heads, next_n, two_d):
     _check(got, expect, f"public paged H={heads} next_n={next_n}")
 
 
-@pytest.mark.parametrize("heads,next_n,fp4", [
-    (64, 1, False), (64, 2, False), (60, 3, False), (64, 1, True), (64, 2, True),
-])
-def test_paged_h64_kernels_write_the_generic_bits(cp, kin, heads, next_n, fp4):
-    """The decode kernels built for 64 padded heads (``_h64``, the default plan for H = 57-64
-    on the wgmma path) write exactly the bits of the kernels that take the head count at
-    run time: ragged and 2-D lengths, a missing page, 1-tile pieces (every tile a row end)."""
-    rng = np.random.default_rng(4000 + heads + 10 * next_n + fp4)
+def _generic_paged(cp, kin, batch, next_n, heads, width, fp4):
+    """(plan, kernel) of the decode kernel that takes the head count at run time."""
+    from cpsparse import raw_kernels
+    facts = raw_kernels.device_facts()
+    plan = kin.decode_plan(batch, next_n, heads, width, 64, facts.sms, facts.smem_per_sm,
+                           kin.DECODE_STAGES, fp4, False)
+    name = f"cps_paged_mqa_logits_{'fp4_' if fp4 else ''}wgmma_{plan[0]}_s{plan[4]}"
+    return plan, kin._kernel(name, kin.PAGED_ARGS, kin.smem_bytes(plan[2] * plan[1], plan[4]))
+
+
+def _paged_fixed_case(rng, heads, next_n, fp4):
+    """Host inputs of the bit-identity tests: ragged lengths (2-D for fp8 next_n > 1), a
+    missing page (-1 in the table: never read, -inf)."""
     lens = [1, 63, 64, 65, 700, 9000, 2]
     width = 9000 + 29
     if fp4:
@@ -251,24 +256,66 @@ def test_paged_h64_kernels_write_the_generic_bits(cp, kin, heads, next_n, fp4):
         q8, w = _queries(rng, (len(lens), next_n, heads, 128))
     else:
         host, q8, w, ctx, table = _paged_batch(rng, lens, next_n, heads, two_d=next_n > 1)
-    table[5, 3] = -1                                          # a missing page: -inf, unread
+    table[5, 3] = -1
+    return host, q8, w, ctx, table, width
+
+
+@pytest.mark.parametrize("heads,next_n,fp4", [
+    (64, 1, False), (64, 2, False), (60, 2, False), (60, 3, False), (64, 1, True),
+    (64, 2, True),
+])
+def test_paged_fixed_head_kernels_write_the_generic_bits(cp, kin, heads, next_n, fp4):
+    """The decode kernels the plan picks for 57-64 heads on the wgmma path (``_h64``, and the
+    warp-specialized ``ws_h64n2`` at next_n 2 with fp8 keys) write exactly the bits of the
+    kernels that take the head count at run time: ragged and 2-D lengths, a missing page,
+    the default pieces and pieces of one tile / one stage (every tile a row end)."""
+    rng = np.random.default_rng(4000 + heads + 10 * next_n + fp4)
+    host, q8, w, ctx, table, width = _paged_fixed_case(rng, heads, next_n, fp4)
     dcache = cpsparse.IndexerKCache.wrap(cp.asarray(host.data), 64, 128, dtype=host.dtype)
     dq, dw, dctx, dtable = (cp.asarray(a) for a in (q8, w, ctx, table))
-    batch = len(lens)
+    batch = table.shape[0]
     path, plan, fn = kin.paged_plan(batch, next_n, heads, 128, width, 64, fp4=fp4)
-    assert fn.name.endswith("_h64_s3"), fn.name
-    generic = kin._kernel(fn.name.replace("_h64", ""), kin.PAGED_ARGS,
-                          kin.smem_bytes(plan[2] * plan[1], plan[4]))
+    ws = kin.uses_ws_decode(path, next_n, heads, 128, 64, fp4)
+    assert fn.name == ("cps_paged_mqa_logits_ws_h64n2" if ws else
+                       kin.paged_kernel_name(path, plan[0], 64, plan[4], fp4)), fn.name
+    gplan, generic = _generic_paged(cp, kin, batch, next_n, heads, width, fp4)
+    want = cp.full((batch * next_n, width), np.nan, dtype=cp.float32)
+    kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=want,
+                         plan=(path, gplan, generic))
+    want = want.get()
+    assert not np.isnan(want).any(), "generic kernel: unwritten (NaN-poisoned) outputs"
     for pt in (None, 1):
-        outs = []
-        for f in (fn, generic):
-            out = cp.full((batch * next_n, width), np.nan, dtype=cp.float32)
-            kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=out,
-                                 piece_tiles=pt, plan=(path, plan, f))
-            outs.append(out.get())
-        assert not np.isnan(outs[0]).any(), "unwritten (NaN-poisoned) outputs"
-        assert np.array_equal(outs[0], outs[1]), \
-            f"H={heads} next_n={next_n} fp4={fp4} piece_tiles={pt}: _h64 differs from generic"
+        out = cp.full((batch * next_n, width), np.nan, dtype=cp.float32)
+        kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=out,
+                             piece_tiles=pt, plan=(path, plan, fn))
+        got = out.get()
+        assert not np.isnan(got).any(), f"{fn.name} piece_tiles={pt}: unwritten outputs"
+        assert np.array_equal(got, want), \
+            f"H={heads} next_n={next_n} fp4={fp4} piece_tiles={pt}: {fn.name} differs"
+
+
+@pytest.mark.parametrize("ctas,piece_tiles", [(1, None), (2, 4), (3, 8), (5, 1)])
+def test_paged_ws_few_ctas_wrap_the_rings(cp, kin, ctas, piece_tiles):
+    """The persistent warp-specialized decode kernel on 1-5 CTAs: each runs many pieces,
+    so its query slots and key ring wrap many times (mbarrier phases), pieces past a
+    context only write -inf; bit-identical to the per-page kernel."""
+    rng = np.random.default_rng(5000 + ctas)
+    host, q8, w, ctx, table, width = _paged_fixed_case(rng, 64, 2, False)
+    dcache = cpsparse.IndexerKCache.wrap(cp.asarray(host.data), 64, 128)
+    dq, dw, dctx, dtable = (cp.asarray(a) for a in (q8, w, ctx, table))
+    batch = table.shape[0]
+    path, plan, fn = kin.paged_plan(batch, 2, 64, 128, width, 64)
+    assert plan[0] == "ws", plan
+    gplan, generic = _generic_paged(cp, kin, batch, 2, 64, width, False)
+    want = cp.empty((batch * 2, width), dtype=cp.float32)
+    kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=want,
+                         plan=(path, gplan, generic))
+    out = cp.full((batch * 2, width), np.nan, dtype=cp.float32)
+    kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=out,
+                         piece_tiles=piece_tiles, ctas=ctas)
+    got = out.get()
+    assert not np.isnan(got).any(), f"ctas={ctas}: unwritten (NaN-poisoned) outputs"
+    assert np.array_equal(got, want.get()), f"ctas={ctas} piece_tiles={piece_tiles}: differs"
 
 
 @pytest.mark.parametrize("block_size", [16, 128])

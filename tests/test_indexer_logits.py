@@ -440,3 +440,22 @@ def test_oracle_sanity_detects_wrong_scale():
     assert (bad != got).any()
     with pytest.raises(AssertionError):
         assert_logits_match(bad, exp)
+
+
+@pytest.mark.parametrize("batch,width,sms", [
+    (64, 32768, 132), (128, 32768, 132), (8, 32768, 132), (1, 32768, 132),
+    (4, 131072, 132), (3, 9029, 132), (1, 1, 132), (1000, 4096, 78), (2, 1 << 20, 132),
+])
+def test_ws_decode_plan_covers_every_key_within_the_page_cap(batch, width, sms):
+    """The warp-specialized decode plan (pure: no device): pieces of whole stages (4 pages)
+    that cover the width, at most BT_CAP pages a piece (the kernel's page-id buffer), and
+    no busier CTA than one piece a CTA would give where the batch fits the SMs."""
+    from cpsparse.raw_kernels import indexer as kin
+    variant, nc, nch, hp, stages, piece_tiles, pieces = kin.ws_decode_plan(batch, width, sms)
+    assert (variant, nc, nch, hp, stages) == ("ws", 128, 1, 64, kin.WS_STAGES)
+    assert piece_tiles % kin.WS_MATH == 0 and 0 < piece_tiles <= kin.BT_CAP
+    assert pieces * piece_tiles * kin.TILE >= width > (pieces - 1) * piece_tiles * kin.TILE
+    stages_w = -(-width // (kin.TILE * kin.WS_MATH))
+    busiest = -(-(batch * pieces) // min(batch * pieces, sms)) * piece_tiles // kin.WS_MATH
+    if batch <= sms and stages_w <= kin.BT_CAP // kin.WS_MATH:
+        assert busiest <= stages_w                   # never worse than a request a CTA

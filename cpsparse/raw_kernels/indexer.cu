@@ -4,8 +4,9 @@
 //
 // inside each query row's window, -inf outside (every output element written).
 //
-// Prefill on Hopper runs the persistent warp-specialized cps_mqa_logits_ws* (at the end
-// of this file); everything else is cps_idx_cta:
+// Prefill on Hopper runs the persistent warp-specialized cps_mqa_logits_ws*, and decode of
+// 2 query rows of 64 padded heads over fp8 pages of 64 keys cps_paged_mqa_logits_ws_h64n2
+// (both at the end of this file); everything else is cps_idx_cta:
 // One CTA = one warpgroup (128 threads) = a block of query rows ("rows"):
 //   * prefill (cps_mqa_logits_mma): 128 // hp query tokens, all their heads, against
 //     the key tiles of [min ks, max ke) of those rows (tiles outside every row's window
@@ -1030,3 +1031,269 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
     }
 CPS_MQA_WS_KERNEL(cps_mqa_logits_ws, 0)
 CPS_MQA_WS_KERNEL(cps_mqa_logits_ws_h64, 64)
+
+// ---- paged decode, warp-specialized (sm_90a): next_n = 2, 64 padded heads ----------
+// The prefill kernel's structure (above) over the paged cache: persistent CTAs (grid <=
+// SMs) of CPS_IDX_WS_MATH math warpgroups and a producer warpgroup. Work item = (request
+// b, piece p): the 2 query rows of b (128 columns: the query block of a prefill block of 2
+// tokens) against keys [p * piece_keys, +piece_keys) of its context, items blockIdx.x,
+// + gridDim.x, ... A stage is 4 pages of 64 keys (one a math warpgroup).
+//   producer: the item's page ids into s_bt (bounded: an id outside [0, num_blocks) or a
+//     position past the table row is -1), the rows' windows into the Q slot's metadata,
+//     the query block and weights into the slot, then the stages: each page's 8 KB of
+//     codes and 256 B of scales by 16- / 4-byte cp.async, and a mask of the stage's
+//     missing pages (never read; their keys score -inf); then -inf outside the visited
+//     keys of the piece.
+//   math warpgroup g: page g of each stage, the products and the _h64 epilogue of the
+//     prefill kernel (bit-identical logits to cps_paged_mqa_logits_*).
+// mbarriers as the prefill kernel's, KFULL counting 128 cp.async arrivals and one after the
+// missing-page mask is stored.
+#define CPS_IDX_WSD_OFF_PM (CPS_IDX_WS_OFF_BAR + (4 + 2 * CPS_IDX_WS_STAGES) * 8)
+#define CPS_IDX_WSD_OFF_BT (CPS_IDX_WSD_OFF_PM + CPS_IDX_WS_STAGES * 4)
+#define CPS_IDX_WSD_SMEM (1024 + CPS_IDX_WSD_OFF_BT + CPS_IDX_BT_CAP * 4)
+static_assert(CPS_IDX_WSD_SMEM == CPS_IDX_WSD_SMEM_LAUNCH,
+              "the launcher's ws_decode_smem_bytes() is not the layout the kernel carves");
+static_assert(CPS_IDX_WS_KEYS == 4 * CPS_IDX_TILE && CPS_IDX_TILE == 64,
+              "a decode stage is 4 pages of 64 keys");
+// Its producer keeps a stage's page ids and their addresses: the register split differs
+// from the prefill kernel's (CPS_IDX_WSD_PREGS / _MREGS, #defined by the launcher).
+static_assert(128 * CPS_IDX_WSD_PREGS + CPS_IDX_WS_MATH_THREADS * CPS_IDX_WSD_MREGS
+                  <= CPS_IDX_WS_THREADS * CPS_IDX_WS_LAUNCH_REGS,
+              "setmaxnreg split exceeds the CTA's register pool");
+
+extern "C" __global__ void __launch_bounds__(CPS_IDX_WS_THREADS, 1)
+cps_paged_mqa_logits_ws_h64n2(const u8* __restrict__ q, const u8* __restrict__ cache,
+                              const float* __restrict__ w, const int* __restrict__ lens,
+                              int lens_2d, const int* __restrict__ bt, int bt_cols,
+                              int num_blocks, float* __restrict__ out, int width, int H,
+                              int pieces, int piece_stages, int items) {
+    constexpr int HPC = 64, NN = 2;
+    extern __shared__ u8 cps_idx_ws_smem_raw[];
+    u8* base = cps_idx_ws_smem_raw + ((1024u - (cps_smem_u32(cps_idx_ws_smem_raw) & 1023u)) & 1023u);
+    const u32 sbase = cps_smem_u32(base);
+    float* s_ks = reinterpret_cast<float*>(base + CPS_IDX_WS_OFF_KS);
+    float* s_w = reinterpret_cast<float*>(base + CPS_IDX_WS_OFF_W);
+    CpsIdxWsMeta* meta = reinterpret_cast<CpsIdxWsMeta*>(base + CPS_IDX_WS_OFF_META);
+    volatile int* s_pm = reinterpret_cast<volatile int*>(base + CPS_IDX_WSD_OFF_PM);
+    int* s_bt = reinterpret_cast<int*>(base + CPS_IDX_WSD_OFF_BT);
+    const u32 bar = sbase + CPS_IDX_WS_OFF_BAR;
+    const u32 kfull = bar + 32, kempty = bar + 32 + 8 * CPS_IDX_WS_STAGES;
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int piece_keys = piece_stages * CPS_IDX_WS_KEYS;
+    // fp8 pages: 64 keys of 128 code bytes, then their 64 float32 scales
+    constexpr long long PAGE_BYTES = (long long)CPS_IDX_TILE * (CPS_IDX_D + 4);
+    if (tid == 0) {
+        for (int i = 0; i < 2; ++i) {
+            cps_mbar_init(bar + 8 * i, 128 + 32);
+            cps_mbar_init(bar + 16 + 8 * i, CPS_IDX_WS_MATH_THREADS);
+        }
+        for (int i = 0; i < CPS_IDX_WS_STAGES; ++i) {
+            cps_mbar_init(kfull + 8 * i, 128 + 1);
+            cps_mbar_init(kempty + 8 * i, CPS_IDX_WS_MATH_THREADS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (tid >= CPS_IDX_WS_MATH_THREADS) {
+        // ---- producer warpgroup ----
+        cps_setmaxnreg_dec<CPS_IDX_WSD_PREGS>();
+        const int ptid = tid - CPS_IDX_WS_MATH_THREADS;
+        // Thread ptid moves bytes [16 ptid, +16) of each 2 KB of a stage's codes: key row
+        // 16 it + rr (page it / 4, its key 16 (it % 4) + rr), chunk ptid % 8.
+        const int rr = ptid >> 3;
+        const u32 dst_off = rr * CPS_IDX_D + (((ptid & 7) ^ (rr & 7)) << 4);
+        int kv = 0;
+        for (int it = 0;; ++it) {
+            const int item = (int)blockIdx.x + it * (int)gridDim.x;
+            if (item >= items) break;
+            const int b = item / pieces;
+            const int own_lo = (item - b * pieces) * piece_keys;
+            const int own_hi = min(own_lo + piece_keys, width);
+            const long long row0 = (long long)b * NN;
+            const int qs = it & 1;
+            // Windows [0, end) of the 2 rows, clamped to the width.
+            int end = 0;
+            if (lane < NN) {
+                end = lens_2d ? lens[b * NN + lane] : max(lens[b] - NN + lane + 1, 0);
+                end = min(max(end, 0), width);
+            }
+            const int hi = min(__reduce_max_sync(0xffffffffu, end), own_hi);
+            int t_hi = own_lo, nst = 0;
+            if (hi > own_lo) {
+                t_hi = min(own_lo + (hi - own_lo + CPS_IDX_TILE - 1) / CPS_IDX_TILE * CPS_IDX_TILE,
+                           own_hi);
+                nst = (t_hi - own_lo + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
+            }
+            // The piece's page ids (the previous item's are no longer read).
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            const int* bt_row = bt + (long long)b * bt_cols;
+            const int p0 = own_lo / CPS_IDX_TILE;
+            for (int i = ptid; i < nst * 4; i += 128) {
+                const int p = p0 + i;
+                const int pg = p < bt_cols ? bt_row[p] : -1;
+                s_bt[i] = (u32)pg < (u32)num_blocks ? pg : -1;
+            }
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            cps_mbar_wait(bar + 16 + 8 * qs, ((it >> 1) & 1) ^ 1);
+            if (ptid < 32) {
+                CpsIdxWsMeta& m = meta[qs];
+                if (lane < CPS_IDX_WS_ROWS) {
+                    m.lo[lane] = 0;
+                    m.hi[lane] = lane < NN ? end : 0;
+                }
+                if (lane == 0) {
+                    m.t_lo = own_lo;
+                    m.t_hi = t_hi;
+                    m.nst = nst;
+                    m.nrows = NN;
+                }
+            }
+            // Query block: column n = row * 64 + head (zero past H). (Not unrolled: its
+            // per-thread offsets, hoisted out of the item loop, spilled the producer.)
+            const u32 sq = sbase + qs * 128 * CPS_IDX_D;
+#pragma unroll 1
+            for (int j = 0; j < 8; ++j) {
+                const int n = 16 * j + (ptid >> 3), c = ptid & 7;
+                const int rl = n / HPC, h = n - rl * HPC;
+                const bool valid = h < H;
+                const u8* src = valid ? q + ((row0 + rl) * H + h) * CPS_IDX_D + c * 16 : q;
+                cps_cp_async16(sq + n * CPS_IDX_D + ((c ^ (n & 7)) << 4), src, valid);
+            }
+            {
+                const int rl = ptid / HPC, h = ptid - rl * HPC;
+                const bool valid = h < H;
+                cps_cp_async4(sbase + CPS_IDX_WS_OFF_W + (qs * 128 + ptid) * 4,
+                              valid ? w + (row0 + rl) * H + h : w, valid);
+            }
+            cps_mbar_arrive_cp_async(bar + 8 * qs);
+            if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);   // (after the metadata stores)
+            for (int j = 0; j < nst; ++j, ++kv) {
+                const int st = kv % CPS_IDX_WS_STAGES;
+                cps_mbar_wait(kempty + 8 * st, ((kv / CPS_IDX_WS_STAGES) & 1) ^ 1);
+                const int t0 = own_lo + j * CPS_IDX_WS_KEYS;
+                int pg[4];
+#pragma unroll
+                for (int pq = 0; pq < 4; ++pq)
+                    pg[pq] = t0 + pq * CPS_IDX_TILE < t_hi ? s_bt[4 * j + pq] : -1;
+                const u32 kdst = sbase + CPS_IDX_WS_OFF_K + st * (CPS_IDX_WS_KEYS * CPS_IDX_D);
+#pragma unroll
+                for (int r = 0; r < CPS_IDX_WS_KEYS / 16; ++r) {
+                    const int pq = r >> 2;
+                    const bool valid = pg[pq] >= 0;
+                    const u8* src = valid ? cache + pg[pq] * PAGE_BYTES
+                                            + (16 * (r & 3) + rr) * CPS_IDX_D + (ptid & 7) * 16
+                                          : cache;
+                    cps_cp_async16(kdst + r * 2048 + dst_off, src, valid);
+                }
+                const u32 sdst = sbase + CPS_IDX_WS_OFF_KS + st * (CPS_IDX_WS_KEYS * 4);
+#pragma unroll
+                for (int r = 0; r < CPS_IDX_WS_KEYS / 128; ++r) {
+                    const int key = 128 * r + ptid;
+                    const int page = ptid < 64 ? pg[2 * r] : pg[2 * r + 1];  // (not pg[key >> 6]:
+                    const bool valid = page >= 0;                          // a local-memory array)
+                    const void* src = valid ? cache + page * PAGE_BYTES
+                                              + (long long)CPS_IDX_TILE * CPS_IDX_D + (key & 63) * 4
+                                            : (const void*)cache;
+                    cps_cp_async4(sdst + key * 4, src, valid);
+                }
+                cps_mbar_arrive_cp_async(kfull + 8 * st);
+                if (ptid == 0) {
+                    s_pm[st] = (pg[0] < 0) | ((pg[1] < 0) << 1) | ((pg[2] < 0) << 2)
+                               | ((pg[3] < 0) << 3);
+                    cps_mbar_arrive(kfull + 8 * st);
+                }
+            }
+            // -inf outside the visited keys of the piece (the math warpgroups write the rest).
+            for (int r = 0; r < NN; ++r) {
+                float* row = out + (row0 + r) * (long long)width;
+                cps_fill_neg_inf<128>(row, t_hi, own_hi, ptid);
+            }
+        }
+        cps_cp_async_wait_all();
+        return;
+    }
+
+    // ---- math warpgroups ----
+    cps_setmaxnreg_inc<CPS_IDX_WSD_MREGS>();
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const int warp = __shfl_sync(0xffffffffu, (tid >> 5) & 3, 0);
+    const int g = lane >> 2, t = lane & 3;
+    const int key0 = 16 * warp + g;
+    int kv = 0;
+    float acc[64];
+    const u64 da0 = cps_wgmma_desc(sbase + CPS_IDX_WS_OFF_K + wg * (CPS_IDX_TILE * CPS_IDX_D), 0, 1024);
+    const u64 db0 = cps_wgmma_desc(sbase, 0, 1024);
+    for (int it = 0;; ++it) {
+        const int item = (int)blockIdx.x + it * (int)gridDim.x;
+        if (item >= items) break;
+        const int b = item / pieces;
+        const long long row0 = (long long)b * NN;
+        const int qs = it & 1;
+        cps_mbar_wait(bar + 8 * qs, (it >> 1) & 1);
+        const CpsIdxWsMeta& m = meta[qs];
+        const int t_lo = m.t_lo, t_hi = m.t_hi, nst = m.nst;
+        const float* wq = s_w + qs * 128 + 2 * t;
+        int rhi[NN];
+        int hi_all = t_hi;                              // keys inside both rows' windows
+        float* rowp[NN];
+#pragma unroll
+        for (int r = 0; r < NN; ++r) {
+            rhi[r] = m.hi[r];
+            hi_all = min(hi_all, rhi[r]);
+            rowp[r] = out + (row0 + r) * (long long)width + key0 + 8 * t;
+        }
+        for (int j = 0; j < nst; ++j, ++kv) {
+            const int st = kv % CPS_IDX_WS_STAGES;
+            cps_mbar_wait(kfull + 8 * st, (kv / CPS_IDX_WS_STAGES) & 1);
+            const int t0 = t_lo + j * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg;
+            const bool live = t0 < t_hi;               // (uniform in the warpgroup)
+            const bool missing = (s_pm[st] >> wg) & 1;
+            const float sk0 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0];
+            const float sk1 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0 + 8];
+            if (live && !missing) {
+                cps_fence_proxy_async();
+                cps_wgmma_fence();
+                const u64 da = da0 + (u64)((st * (CPS_IDX_WS_KEYS * CPS_IDX_D)) >> 4);
+                const u64 db = db0 + (u64)((qs * (128 * CPS_IDX_D)) >> 4);
+#pragma unroll
+                for (int k4 = 0; k4 < 4; ++k4)
+                    cps_wgmma_m64n128k32(acc, da + 2 * k4, db + 2 * k4, k4);
+                cps_wgmma_commit();
+                cps_wgmma_wait<0>();
+                cps_fence_regs(acc);
+            }
+            cps_mbar_arrive(kempty + 8 * st);
+            if (!live) continue;
+            const int col = t0 + key0 + 8 * t;
+            if (missing) {                              // a page never read: -inf
+                if (t < 2 && col < t_hi) {
+#pragma unroll
+                    for (int r = 0; r < NN; ++r) rowp[r][t0] = CPS_NEG_INF;
+                }
+                continue;
+            }
+            const bool whole = t0 + CPS_IDX_TILE <= hi_all;
+            constexpr int GPR = HPC / 8;
+#pragma unroll
+            for (int r = 0; r < NN; ++r) {
+                float hs[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int gi = 0; gi < GPR; ++gi) {
+                    const int i2 = r * GPR + gi;
+                    const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * i2);
+                    cps_head_sum_add(hs, wv.x, wv.y, acc[4 * i2], acc[4 * i2 + 1],
+                                     acc[4 * i2 + 2], acc[4 * i2 + 3]);
+                }
+                const float2 v = cps_head_sum_finish(hs, sk0, sk1);
+                if (whole) {
+                    if (t < 2) rowp[r][t0] = t ? v.y : v.x;
+                } else if (t < 2 && col < t_hi) {
+                    out[(row0 + r) * (long long)width + col] = col < rhi[r] ? (t ? v.y : v.x)
+                                                                              : CPS_NEG_INF;
+                }
+            }
+        }
+        cps_mbar_arrive(bar + 16 + 8 * qs);
+    }
+}

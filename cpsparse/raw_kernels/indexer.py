@@ -35,6 +35,8 @@ WS_STAGES = 4            # key stages (64 * WS_MATH keys) in its ring         (C
 WS_THREADS = 128 * WS_MATH + 128    # ... and a producer warpgroup
 WS_PRODUCER_REGS = 32    # setmaxnreg split of its 640 x 96 launch registers (CPS_IDX_WS_PREGS)
 WS_MATH_REGS = 112       #                                                    (CPS_IDX_WS_MREGS)
+WSD_PRODUCER_REGS = 56   # ... of the warp-specialized decode CTA (CPS_IDX_WSD_PREGS): its
+WSD_MATH_REGS = 104      # producer holds a stage's page ids and addresses (CPS_IDX_WSD_MREGS)
 MAX_QROWS = 512          # next_n * hp columns per decode CTA
 N128M_CTAS_PER_SM = 5    # launch bounds of the 128-column decode kernels (CPS_IDX_N128M_MINB)
 N128M_CTAS_PER_SM_FP4 = 4   # ... with MXFP4 keys (CPS_IDX_N128M_FP4_MINB)
@@ -55,6 +57,12 @@ def ws_smem_bytes(stages=WS_STAGES, math=WS_MATH):
             + (4 + 2 * stages) * 8)
 
 
+def ws_decode_smem_bytes(stages=WS_STAGES, math=WS_MATH):
+    """Dynamic shared memory of the warp-specialized decode CTA (CPS_IDX_WSD_SMEM): the
+    prefill CTA's, a missing-page mask a stage and the page ids of a piece."""
+    return ws_smem_bytes(stages, math) + 4 * stages + 4 * BT_CAP
+
+
 raw_kernels.register_module(
     "indexer", ["common.cuh", "hopper.cuh", "indexer.cu"], capabilities=raw_kernels.exactly((9, 0)),
     ops=("mqa_logits", "paged_mqa_logits"), needs="Hopper wgmma, compiled for sm_90a",
@@ -62,7 +70,10 @@ raw_kernels.register_module(
                  CPS_IDX_STAGES=STAGES, CPS_IDX_MAX_ROWS=MAX_ROWS, CPS_IDX_BT_CAP=BT_CAP,
                  CPS_IDX_WS_MATH=WS_MATH, CPS_IDX_WS_STAGES=WS_STAGES,
                  CPS_IDX_WS_PREGS=WS_PRODUCER_REGS, CPS_IDX_WS_MREGS=WS_MATH_REGS,
-                 CPS_IDX_WS_SMEM_LAUNCH=ws_smem_bytes(), CPS_IDX_N128M_MINB=N128M_CTAS_PER_SM,
+                 CPS_IDX_WS_SMEM_LAUNCH=ws_smem_bytes(),
+                 CPS_IDX_WSD_SMEM_LAUNCH=ws_decode_smem_bytes(),
+                 CPS_IDX_WSD_PREGS=WSD_PRODUCER_REGS, CPS_IDX_WSD_MREGS=WSD_MATH_REGS,
+                 CPS_IDX_N128M_MINB=N128M_CTAS_PER_SM,
                  CPS_IDX_N128M_FP4_MINB=N128M_CTAS_PER_SM_FP4,
                  CPS_IDX_N128M_H64_MINB=N128M_H64_CTAS_PER_SM,
                  CPS_IDX_N64_FP4_H64_MINB=N64_FP4_H64_CTAS_PER_SM))
@@ -73,6 +84,9 @@ MQA_ARGS = "PPPPPPP iiiii"
 # cps_paged_mqa_logits_*: q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out, width,
 # next_n, H, hp, nch, bs_shift, piece_tiles
 PAGED_ARGS = "PPPP i P ii P iiiiiii"
+# cps_paged_mqa_logits_ws_h64n2: q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out,
+# width, H, pieces, piece_stages, items
+PAGED_WS_ARGS = "PPPP i P ii P iiiii"
 
 PATHS = ("wgmma", "mma")
 # "wgmma" or "mma"; CPSPARSE_INDEXER_PATH overrides (wgmma needs compute capability 9.0).
@@ -215,6 +229,34 @@ def paged_kernel_name(path, variant, hp, stages, fp4=False):
     return f"cps_paged_mqa_logits_{'fp4_' if fp4 else ''}{path}_{variant}{fixed}_s{stages}"
 
 
+def ws_decode_plan(batch, width, sms):
+    """Launch shape of the warp-specialized decode kernel (``next_n = 2``, 64 padded heads,
+    fp8 pages of 64 keys): the plan tuple of :func:`decode_plan` with variant ``"ws"``.
+
+    Each request is cut into pieces of equal whole stages (4 pages), the persistent CTAs
+    (one an SM) take pieces round robin; the piece length minimizes the busiest CTA's
+    stages plus one stage a piece (its query block and page ids), at most ``BT_CAP`` pages.
+    """
+    stages_w = -(-int(width) // (TILE * WS_MATH))
+    best: tuple[int, int, int] | None = None
+    for p in range(-(-stages_w // (BT_CAP // WS_MATH)), stages_w + 1):
+        ps = -(-stages_w // p)
+        pieces = -(-stages_w // ps)
+        items = batch * pieces
+        cost = -(-items // min(items, sms)) * (ps + 1)
+        if best is None or cost < best[0]:
+            best = (cost, ps, pieces)
+    assert best is not None          # width >= 1: the range holds stages_w at least
+    return "ws", 128, 1, 64, WS_STAGES, WS_MATH * best[1], best[2]
+
+
+def uses_ws_decode(path, next_n, heads, dim, block_size, fp4):
+    """True where the warp-specialized decode kernel covers the shape (Hopper, 2 query rows
+    of 57-64 heads, fp8 pages of 64 keys)."""
+    return (path == "wgmma" and next_n == 2 and _round8(heads) == 64 and dim == D
+            and block_size == TILE and not fp4)
+
+
 _PLANS: dict[Any, Any] = {}
 
 
@@ -235,7 +277,10 @@ def paged_plan(batch, next_n, heads, dim, width, block_size, path=None, fp4=Fals
                                                     facts.sms, facts.smem_per_sm, stages, fp4,
                                                     fixed)
         fn = None
-        if plan is not None:
+        if plan is not None and uses_ws_decode(path_, next_n, heads, dim, block_size, fp4):
+            plan = ws_decode_plan(batch, width, facts.sms)
+            fn = _kernel("cps_paged_mqa_logits_ws_h64n2", PAGED_WS_ARGS, ws_decode_smem_bytes())
+        elif plan is not None:
             variant, nc, nch, hp = plan[:4]
             fn = _kernel(paged_kernel_name(path_, variant, hp, stages, fp4), PAGED_ARGS,
                          smem_bytes(nch * nc, stages))
@@ -248,11 +293,13 @@ def supports_paged(q_codes, cache_data, plan):
 
 
 def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max_context_len,
-                     out=None, path=None, piece_tiles=None, plan=None):
+                     out=None, path=None, piece_tiles=None, plan=None, ctas=None):
     """float32 [B * next_n, max_context_len] decode logits over the paged key cache.
 
     The caller checked :func:`supports_paged`. ``piece_tiles`` (64-key tiles per CTA)
-    overrides the launch plan (benchmarks).
+    overrides the launch plan (benchmarks). ``ctas``: CTAs of the persistent
+    warp-specialized kernel (:func:`uses_ws_decode`), default one an SM (tests use fewer,
+    so that each CTA runs through many pieces and wraps its rings many times).
     """
     batch, next_n, heads, dim = q_codes.shape
     width = int(max_context_len)
@@ -266,6 +313,9 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
                           cache.dtype == "mxfp4")
     path, plan, fn = plan
     variant, nc, nch, hp, stages, pt, pieces = plan
+    if variant == "ws":
+        return _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out,
+                         fn, pt, pieces, piece_tiles, ctas)
     if piece_tiles is not None:
         pt = max(1, min(int(piece_tiles), (BT_CAP - 1) * cache.block_size // TILE))
         tiles_w = -(-width // TILE)
@@ -289,4 +339,25 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
            (q_codes[b0:b1], cache.data, weights[b0 * next_n:b1 * next_n],
             context_lens[b0:b1], lens_2d, block_table[b0:b1], bt_cols, num_blocks,
             out[b0 * next_n:b1 * next_n]) + consts, shared_mem=smem)
+    return out
+
+
+def _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out, fn, pt,
+              pieces, piece_tiles=None, ctas=None):
+    """The warp-specialized decode launch (plan of :func:`ws_decode_plan`)."""
+    batch, heads = q_codes.shape[0], q_codes.shape[2]
+    piece_stages = pt // WS_MATH
+    if piece_tiles is not None:
+        piece_stages = max(1, min(-(-int(piece_tiles) // WS_MATH), BT_CAP // WS_MATH))
+        pieces = -(-(-(-width // (TILE * WS_MATH))) // piece_stages)
+    context_lens = index_i32(cp, context_lens)
+    block_table = index_i32(cp, block_table)
+    items = batch * pieces
+    if ctas is not None and int(ctas) < 1:
+        raise ValueError(f"Invalid ctas: expected a positive CTA count, got {ctas}")
+    grid = min(items, raw_kernels.device_facts().sms if ctas is None else int(ctas))
+    fn((grid,), (WS_THREADS,),
+       (q_codes, cache.data, weights, context_lens, int(context_lens.ndim == 2), block_table,
+        block_table.shape[1], cache.num_blocks, out, width, heads, pieces, piece_stages, items),
+       shared_mem=ws_decode_smem_bytes())
     return out
