@@ -769,6 +769,57 @@ struct CpsIdxWsMeta {
 static_assert(CPS_IDX_WS_SMEM == CPS_IDX_WS_SMEM_LAUNCH,
               "the launcher's ws_smem_bytes() is not the layout the kernel carves");
 
+// The mbarriers of a warp-specialized CTA (thread 0; everyone syncs after): QFULL[2] (128
+// cp.async-completion arrivals and 32 after the metadata stores), QEMPTY[2] and KEMPTY[S]
+// (every math thread), KFULL[S] (128 cp.async-completion arrivals, plus ``kfull_extra``).
+__device__ __forceinline__ void cps_idx_ws_init_barriers(u32 bar, int kfull_extra) {
+    const u32 kfull = bar + 32, kempty = bar + 32 + 8 * CPS_IDX_WS_STAGES;
+    for (int i = 0; i < 2; ++i) {
+        cps_mbar_init(bar + 8 * i, 128 + 32);
+        cps_mbar_init(bar + 16 + 8 * i, CPS_IDX_WS_MATH_THREADS);
+    }
+    for (int i = 0; i < CPS_IDX_WS_STAGES; ++i) {
+        cps_mbar_init(kfull + 8 * i, 128 + kfull_extra);
+        cps_mbar_init(kempty + 8 * i, CPS_IDX_WS_MATH_THREADS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// A math warpgroup's products of a stage: its 64 keys (descriptor da) against NCOLS query
+// columns (db), waited for. The cp.async bytes -> the async proxy first. (Without this
+// fence the prefill kernel measured 2-4% faster, as the attention kernels run, but the
+// PTX model asks for it between generic-proxy writes and wgmma reads.)
+template <int NCOLS>
+__device__ __forceinline__ void cps_idx_ws_products(float (&acc)[NCOLS / 2], u64 da, u64 db) {
+    cps_fence_proxy_async();
+    cps_wgmma_fence();
+#pragma unroll
+    for (int k4 = 0; k4 < 4; ++k4) {
+        if constexpr (NCOLS == 128) cps_wgmma_m64n128k32(acc, da + 2 * k4, db + 2 * k4, k4);
+        else cps_wgmma_m64n64k32(acc, da + 2 * k4, db + 2 * k4, k4);
+    }
+    cps_wgmma_commit();
+    cps_wgmma_wait<0>();
+    cps_fence_regs(acc);
+}
+
+// Query row r's logits of this thread's keys (key0, key0 + 8) from the products: the
+// ReLU-weighted sum over its GPR column groups (weights from smem, wq = the slot's weights
+// + 2 t), times the key scales, summed across the 4 lanes of the keys.
+template <int GPR, int N>
+__device__ __forceinline__ float2 cps_idx_ws_row_logits(const float (&acc)[N], int r,
+                                                        const float* wq, float sk0, float sk1) {
+    float hs[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int gi = 0; gi < GPR; ++gi) {
+        const int i2 = r * GPR + gi;
+        const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * i2);
+        cps_head_sum_add(hs, wv.x, wv.y, acc[4 * i2], acc[4 * i2 + 1], acc[4 * i2 + 2],
+                         acc[4 * i2 + 3]);
+    }
+    return cps_head_sum_finish(hs, sk0, sk1);
+}
+
 // HPC: the padded head count the kernel is built for (the launcher picks it only for that
 // hp), 0 for any (hp from the launch). With it the math warpgroups' rows are compile-time
 // constants: a straight-line epilogue, the row windows in registers, and a key quarter
@@ -790,17 +841,7 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
     const u32 kfull = bar + 32, kempty = bar + 32 + 8 * CPS_IDX_WS_STAGES;
     const int tid = threadIdx.x, lane = tid & 31;
     const int rpc = 128 / hp;
-    if (tid == 0) {
-        for (int i = 0; i < 2; ++i) {
-            cps_mbar_init(bar + 8 * i, 128 + 32);
-            cps_mbar_init(bar + 16 + 8 * i, CPS_IDX_WS_MATH_THREADS);
-        }
-        for (int i = 0; i < CPS_IDX_WS_STAGES; ++i) {
-            cps_mbar_init(kfull + 8 * i, 128);
-            cps_mbar_init(kempty + 8 * i, CPS_IDX_WS_MATH_THREADS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
+    if (tid == 0) cps_idx_ws_init_barriers(bar, 0);
     __syncthreads();
 
     if (tid >= CPS_IDX_WS_MATH_THREADS) {
@@ -954,21 +995,10 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
             const float sk0 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0];
             const float sk1 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0 + 8];
             if (live) {
-                // The cp.async bytes -> the async proxy. (Without this fence the kernel
-                // measured 2-4% faster, as the attention kernels run, but the PTX model
-                // asks for it between generic-proxy writes and wgmma reads.)
-                cps_fence_proxy_async();
-                cps_wgmma_fence();
                 // Descriptors as offsets from the first stage's / slot's (the address
                 // field is the low 14 bits of bytes / 16; smem < 256 KB never carries).
-                const u64 da = da0 + (u64)((st * (CPS_IDX_WS_KEYS * CPS_IDX_D)) >> 4);
-                const u64 db = db0 + (u64)((qs * (128 * CPS_IDX_D)) >> 4);
-#pragma unroll
-                for (int k4 = 0; k4 < 4; ++k4)
-                    cps_wgmma_m64n128k32(acc, da + 2 * k4, db + 2 * k4, k4);
-                cps_wgmma_commit();
-                cps_wgmma_wait<0>();
-                cps_fence_regs(acc);
+                cps_idx_ws_products<128>(acc, da0 + (u64)((st * (CPS_IDX_WS_KEYS * CPS_IDX_D)) >> 4),
+                                         db0 + (u64)((qs * (128 * CPS_IDX_D)) >> 4));
             }
             cps_mbar_arrive(kempty + 8 * st);
             if (!live) continue;
@@ -979,15 +1009,7 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
                 constexpr int GPR = HPC / 8;
 #pragma unroll
                 for (int r = 0; r < 128 / HPC; ++r) {
-                    float hs[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                    for (int gi = 0; gi < GPR; ++gi) {
-                        const int i2 = r * GPR + gi;
-                        const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * i2);
-                        cps_head_sum_add(hs, wv.x, wv.y, acc[4 * i2], acc[4 * i2 + 1],
-                                         acc[4 * i2 + 2], acc[4 * i2 + 3]);
-                    }
-                    const float2 v = cps_head_sum_finish(hs, sk0, sk1);
+                    const float2 v = cps_idx_ws_row_logits<GPR>(acc, r, wq, sk0, sk1);
                     const int col = t0 + key0 + 8 * t;
                     if (whole) {
                         if (r < nrows && t < 2) rowp[r][t0] = t ? v.y : v.x;
@@ -1032,12 +1054,12 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
 CPS_MQA_WS_KERNEL(cps_mqa_logits_ws, 0)
 CPS_MQA_WS_KERNEL(cps_mqa_logits_ws_h64, 64)
 
-// ---- paged decode, warp-specialized (sm_90a): next_n = 2, 64 padded heads ----------
+// ---- paged decode, warp-specialized (sm_90a): next_n = 1 or 2, 64 padded heads --------
 // The prefill kernel's structure (above) over the paged cache: persistent CTAs (grid <=
 // SMs) of CPS_IDX_WS_MATH math warpgroups and a producer warpgroup. Work item = (request
-// b, piece p): the 2 query rows of b (128 columns: the query block of a prefill block of 2
-// tokens) against keys [p * piece_keys, +piece_keys) of its context, items blockIdx.x,
-// + gridDim.x, ... A stage is 4 pages of 64 keys (one a math warpgroup).
+// b, piece p): the NN query rows of b (NN * 64 columns; at NN = 2 the query block of a
+// prefill block of 2 tokens) against keys [p * piece_keys, +piece_keys) of its context,
+// items blockIdx.x, + gridDim.x, ... A stage is 4 pages of 64 keys (one a math warpgroup).
 //   producer: the item's page ids into s_bt (bounded: an id outside [0, num_blocks) or a
 //     position past the table row is -1), the rows' windows into the Q slot's metadata,
 //     the query block and weights into the slot, then the stages: each page's 8 KB of
@@ -1061,13 +1083,14 @@ static_assert(128 * CPS_IDX_WSD_PREGS + CPS_IDX_WS_MATH_THREADS * CPS_IDX_WSD_MR
                   <= CPS_IDX_WS_THREADS * CPS_IDX_WS_LAUNCH_REGS,
               "setmaxnreg split exceeds the CTA's register pool");
 
-extern "C" __global__ void __launch_bounds__(CPS_IDX_WS_THREADS, 1)
-cps_paged_mqa_logits_ws_h64n2(const u8* __restrict__ q, const u8* __restrict__ cache,
-                              const float* __restrict__ w, const int* __restrict__ lens,
-                              int lens_2d, const int* __restrict__ bt, int bt_cols,
-                              int num_blocks, float* __restrict__ out, int width, int H,
-                              int pieces, int piece_stages, int items) {
-    constexpr int HPC = 64, NN = 2;
+template <int NN>
+__device__ __forceinline__ void cps_paged_ws_body(
+        const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w,
+        const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,
+        int num_blocks, float* __restrict__ out, int width, int H, int pieces,
+        int piece_stages, int items) {
+    constexpr int HPC = 64, NC = NN * HPC;
+    static_assert(NN == 1 || NN == 2, "1 or 2 query rows a request");
     extern __shared__ u8 cps_idx_ws_smem_raw[];
     u8* base = cps_idx_ws_smem_raw + ((1024u - (cps_smem_u32(cps_idx_ws_smem_raw) & 1023u)) & 1023u);
     const u32 sbase = cps_smem_u32(base);
@@ -1082,17 +1105,7 @@ cps_paged_mqa_logits_ws_h64n2(const u8* __restrict__ q, const u8* __restrict__ c
     const int piece_keys = piece_stages * CPS_IDX_WS_KEYS;
     // fp8 pages: 64 keys of 128 code bytes, then their 64 float32 scales
     constexpr long long PAGE_BYTES = (long long)CPS_IDX_TILE * (CPS_IDX_D + 4);
-    if (tid == 0) {
-        for (int i = 0; i < 2; ++i) {
-            cps_mbar_init(bar + 8 * i, 128 + 32);
-            cps_mbar_init(bar + 16 + 8 * i, CPS_IDX_WS_MATH_THREADS);
-        }
-        for (int i = 0; i < CPS_IDX_WS_STAGES; ++i) {
-            cps_mbar_init(kfull + 8 * i, 128 + 1);
-            cps_mbar_init(kempty + 8 * i, CPS_IDX_WS_MATH_THREADS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
+    if (tid == 0) cps_idx_ws_init_barriers(bar, 1);
     __syncthreads();
 
     if (tid >= CPS_IDX_WS_MATH_THREADS) {
@@ -1112,7 +1125,7 @@ cps_paged_mqa_logits_ws_h64n2(const u8* __restrict__ q, const u8* __restrict__ c
             const int own_hi = min(own_lo + piece_keys, width);
             const long long row0 = (long long)b * NN;
             const int qs = it & 1;
-            // Windows [0, end) of the 2 rows, clamped to the width.
+            // Windows [0, end) of the rows, clamped to the width.
             int end = 0;
             if (lane < NN) {
                 end = lens_2d ? lens[b * NN + lane] : max(lens[b] - NN + lane + 1, 0);
@@ -1153,14 +1166,14 @@ cps_paged_mqa_logits_ws_h64n2(const u8* __restrict__ q, const u8* __restrict__ c
             // per-thread offsets, hoisted out of the item loop, spilled the producer.)
             const u32 sq = sbase + qs * 128 * CPS_IDX_D;
 #pragma unroll 1
-            for (int j = 0; j < 8; ++j) {
+            for (int j = 0; j < NC / 16; ++j) {
                 const int n = 16 * j + (ptid >> 3), c = ptid & 7;
                 const int rl = n / HPC, h = n - rl * HPC;
                 const bool valid = h < H;
                 const u8* src = valid ? q + ((row0 + rl) * H + h) * CPS_IDX_D + c * 16 : q;
                 cps_cp_async16(sq + n * CPS_IDX_D + ((c ^ (n & 7)) << 4), src, valid);
             }
-            {
+            if (ptid < NC) {
                 const int rl = ptid / HPC, h = ptid - rl * HPC;
                 const bool valid = h < H;
                 cps_cp_async4(sbase + CPS_IDX_WS_OFF_W + (qs * 128 + ptid) * 4,
@@ -1221,7 +1234,7 @@ cps_paged_mqa_logits_ws_h64n2(const u8* __restrict__ q, const u8* __restrict__ c
     const int g = lane >> 2, t = lane & 3;
     const int key0 = 16 * warp + g;
     int kv = 0;
-    float acc[64];
+    float acc[NC / 2];
     const u64 da0 = cps_wgmma_desc(sbase + CPS_IDX_WS_OFF_K + wg * (CPS_IDX_TILE * CPS_IDX_D), 0, 1024);
     const u64 db0 = cps_wgmma_desc(sbase, 0, 1024);
     for (int it = 0;; ++it) {
@@ -1235,7 +1248,7 @@ cps_paged_mqa_logits_ws_h64n2(const u8* __restrict__ q, const u8* __restrict__ c
         const int t_lo = m.t_lo, t_hi = m.t_hi, nst = m.nst;
         const float* wq = s_w + qs * 128 + 2 * t;
         int rhi[NN];
-        int hi_all = t_hi;                              // keys inside both rows' windows
+        int hi_all = t_hi;                              // keys inside every row's window
         float* rowp[NN];
 #pragma unroll
         for (int r = 0; r < NN; ++r) {
@@ -1251,18 +1264,9 @@ cps_paged_mqa_logits_ws_h64n2(const u8* __restrict__ q, const u8* __restrict__ c
             const bool missing = (s_pm[st] >> wg) & 1;
             const float sk0 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0];
             const float sk1 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0 + 8];
-            if (live && !missing) {
-                cps_fence_proxy_async();
-                cps_wgmma_fence();
-                const u64 da = da0 + (u64)((st * (CPS_IDX_WS_KEYS * CPS_IDX_D)) >> 4);
-                const u64 db = db0 + (u64)((qs * (128 * CPS_IDX_D)) >> 4);
-#pragma unroll
-                for (int k4 = 0; k4 < 4; ++k4)
-                    cps_wgmma_m64n128k32(acc, da + 2 * k4, db + 2 * k4, k4);
-                cps_wgmma_commit();
-                cps_wgmma_wait<0>();
-                cps_fence_regs(acc);
-            }
+            if (live && !missing)
+                cps_idx_ws_products<NC>(acc, da0 + (u64)((st * (CPS_IDX_WS_KEYS * CPS_IDX_D)) >> 4),
+                                        db0 + (u64)((qs * (128 * CPS_IDX_D)) >> 4));
             cps_mbar_arrive(kempty + 8 * st);
             if (!live) continue;
             const int col = t0 + key0 + 8 * t;
@@ -1274,18 +1278,9 @@ cps_paged_mqa_logits_ws_h64n2(const u8* __restrict__ q, const u8* __restrict__ c
                 continue;
             }
             const bool whole = t0 + CPS_IDX_TILE <= hi_all;
-            constexpr int GPR = HPC / 8;
 #pragma unroll
             for (int r = 0; r < NN; ++r) {
-                float hs[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int gi = 0; gi < GPR; ++gi) {
-                    const int i2 = r * GPR + gi;
-                    const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * i2);
-                    cps_head_sum_add(hs, wv.x, wv.y, acc[4 * i2], acc[4 * i2 + 1],
-                                     acc[4 * i2 + 2], acc[4 * i2 + 3]);
-                }
-                const float2 v = cps_head_sum_finish(hs, sk0, sk1);
+                const float2 v = cps_idx_ws_row_logits<HPC / 8>(acc, r, wq, sk0, sk1);
                 if (whole) {
                     if (t < 2) rowp[r][t0] = t ? v.y : v.x;
                 } else if (t < 2 && col < t_hi) {
@@ -1297,3 +1292,16 @@ cps_paged_mqa_logits_ws_h64n2(const u8* __restrict__ q, const u8* __restrict__ c
         cps_mbar_arrive(bar + 16 + 8 * qs);
     }
 }
+
+// _h64n1 / _h64n2: next_n 1 / 2, 64 padded heads (the launcher's uses_ws_decode).
+#define CPS_PAGED_WS_KERNEL(NAME, NN)                                                         \
+    extern "C" __global__ void __launch_bounds__(CPS_IDX_WS_THREADS, 1)                       \
+    NAME(const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w, \
+         const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,  \
+         int num_blocks, float* __restrict__ out, int width, int H, int pieces,               \
+         int piece_stages, int items) {                                                       \
+        cps_paged_ws_body<NN>(q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out,       \
+                              width, H, pieces, piece_stages, items);                         \
+    }
+CPS_PAGED_WS_KERNEL(cps_paged_mqa_logits_ws_h64n1, 1)
+CPS_PAGED_WS_KERNEL(cps_paged_mqa_logits_ws_h64n2, 2)

@@ -84,7 +84,7 @@ MQA_ARGS = "PPPPPPP iiiii"
 # cps_paged_mqa_logits_*: q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out, width,
 # next_n, H, hp, nch, bs_shift, piece_tiles
 PAGED_ARGS = "PPPP i P ii P iiiiiii"
-# cps_paged_mqa_logits_ws_h64n2: q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out,
+# cps_paged_mqa_logits_ws_h64n*: q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out,
 # width, H, pieces, piece_stages, items
 PAGED_WS_ARGS = "PPPP i P ii P iiiii"
 
@@ -230,8 +230,8 @@ def paged_kernel_name(path, variant, hp, stages, fp4=False):
 
 
 def ws_decode_plan(batch, width, sms):
-    """Launch shape of the warp-specialized decode kernel (``next_n = 2``, 64 padded heads,
-    fp8 pages of 64 keys): the plan tuple of :func:`decode_plan` with variant ``"ws"``.
+    """Launch shape of the warp-specialized decode kernels (:func:`uses_ws_decode`): the
+    plan tuple of :func:`decode_plan` with variant ``"ws"``.
 
     Each request is cut into pieces of equal whole stages (4 pages), the persistent CTAs
     (one an SM) take pieces round robin; the piece length minimizes the busiest CTA's
@@ -250,11 +250,15 @@ def ws_decode_plan(batch, width, sms):
     return "ws", 128, 1, 64, WS_STAGES, WS_MATH * best[1], best[2]
 
 
+# next_n with a warp-specialized decode kernel (indexer.cu's cps_paged_mqa_logits_ws_h64n*)
+WS_DECODE_NEXT_N = (1, 2)
+
+
 def uses_ws_decode(path, next_n, heads, dim, block_size, fp4):
-    """True where the warp-specialized decode kernel covers the shape (Hopper, 2 query rows
-    of 57-64 heads, fp8 pages of 64 keys)."""
-    return (path == "wgmma" and next_n == 2 and _round8(heads) == 64 and dim == D
-            and block_size == TILE and not fp4)
+    """True where a warp-specialized decode kernel covers the shape (Hopper, 1 or 2 query
+    rows of 57-64 heads, fp8 pages of 64 keys)."""
+    return (path == "wgmma" and next_n in WS_DECODE_NEXT_N and _round8(heads) == 64
+            and dim == D and block_size == TILE and not fp4)
 
 
 _PLANS: dict[Any, Any] = {}
@@ -279,7 +283,8 @@ def paged_plan(batch, next_n, heads, dim, width, block_size, path=None, fp4=Fals
         fn = None
         if plan is not None and uses_ws_decode(path_, next_n, heads, dim, block_size, fp4):
             plan = ws_decode_plan(batch, width, facts.sms)
-            fn = _kernel("cps_paged_mqa_logits_ws_h64n2", PAGED_WS_ARGS, ws_decode_smem_bytes())
+            fn = _kernel(f"cps_paged_mqa_logits_ws_h64n{next_n}", PAGED_WS_ARGS,
+                         ws_decode_smem_bytes())
         elif plan is not None:
             variant, nc, nch, hp = plan[:4]
             fn = _kernel(paged_kernel_name(path_, variant, hp, stages, fp4), PAGED_ARGS,
