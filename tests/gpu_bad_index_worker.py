@@ -261,15 +261,17 @@ class IndexerGather(Case):
 
 
 class PagedLogits(Case):
+    heads = 16                           # the per-page kernel
+
     def __init__(self, cp, rng):
         super().__init__(cp, rng)
         self.num = 8
         self.cache = cpsparse.IndexerKCache(8, BLOCK)
         self.cache.insert(rng.standard_normal((8 * BLOCK, 128)).astype(np.float32),
                           np.arange(8 * BLOCK, dtype=np.int32))
-        self.q, _ = cpsparse.quantize_fp8(rng.standard_normal((3, 2, 16, 128)).astype(
+        self.q, _ = cpsparse.quantize_fp8(rng.standard_normal((3, 2, self.heads, 128)).astype(
             np.float32), eps=1e-10)
-        self.w = rng.standard_normal((6, 16)).astype(np.float32)
+        self.w = rng.standard_normal((6, self.heads)).astype(np.float32)
         self.lens = np.array([200, 130, 250], np.int64)
         self.table = np.array([[1, 0, 5, 2], [7, 3, 0, 0], [4, 6, 2, 1]], np.int64)
 
@@ -355,6 +357,10 @@ class TopkRows(PrefillLogits):
         return np.array_equal(np.sort(_np(got), axis=1), np.sort(want, axis=1))
 
 
+class PagedLogitsWs(PagedLogits):
+    heads = 64                           # the warp-specialized kernel (ws_h64n2)
+
+
 class SlotMapping(Case):
     def __init__(self, cp, rng):
         super().__init__(cp, rng)
@@ -393,6 +399,7 @@ CASES = {"attention_fp8": AttentionFp8, "attention_bf16": AttentionBf16,
          "attention_model1": AttentionModel1,
          "indexer_insert": IndexerInsert, "mla_insert": MLAInsert,
          "indexer_gather": IndexerGather, "paged_mqa_logits": PagedLogits,
+         "paged_mqa_logits_ws": PagedLogitsWs,
          "mqa_logits": PrefillLogits, "topk_per_row": TopkRows,
          "local_to_global_slots": SlotMapping}
 VALUES = ("-2147483648", "-123456", "-2", "num", "2147483647", "4294967296", "past_table")
