@@ -301,8 +301,9 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
                      out=None, path=None, piece_tiles=None, plan=None, ctas=None):
     """float32 [B * next_n, max_context_len] decode logits over the paged key cache.
 
-    The caller checked :func:`supports_paged`. ``piece_tiles`` (64-key tiles per CTA)
-    overrides the launch plan (benchmarks). ``ctas``: CTAs of the persistent
+    The caller checked :func:`supports_paged`. ``piece_tiles`` (64-key tiles per CTA;
+    the warp-specialized kernels round it up to whole 4-tile stages) overrides the launch
+    plan (benchmarks, tests). ``ctas``: CTAs of the persistent
     warp-specialized kernel (:func:`uses_ws_decode`), default one an SM (tests use fewer,
     so that each CTA runs through many pieces and wraps its rings many times).
     """
