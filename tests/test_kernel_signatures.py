@@ -27,6 +27,7 @@ DECLARED = [
     ("indexer.cu", "cps_mqa_logits_mma", indexer.MQA_ARGS),
     ("indexer.cu", "CPS_MQA_WS_KERNEL", indexer.MQA_ARGS),
     ("indexer.cu", "CPS_PAGED_KERNEL", indexer.PAGED_ARGS),
+    ("indexer.cu", "CPS_PAGED_WS_KERNEL", indexer.PAGED_WS_ARGS),
     ("quant.cu", "cps_quantize_fp8", quant.QUANTIZE_ARGS),
     ("quant.cu", "cps_indexer_k_quant_and_cache", quant.INSERT_ARGS),
     ("quant.cu", "cps_indexer_k_gather", quant.GATHER_ARGS),
