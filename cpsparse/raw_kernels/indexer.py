@@ -7,7 +7,9 @@ module and set the kernels' shared-memory limit).
 
 Two tensor-core paths compute the same thing from the same shared-memory
 layout: ``"wgmma"`` (Hopper sm_90a, the default there) and ``"mma"``
-(``mma.sync`` e4m3). :func:`supports_prefill` and :func:`decode_plan` say which
+(``mma.sync`` e4m3). On the wgmma path, prefill and the decode of 1 or 2 query
+rows of 64 padded heads over fp8 pages of 64 keys run persistent warp-specialized
+kernels (:func:`uses_ws_decode`). :func:`supports_prefill` and :func:`decode_plan` say which
 shapes the kernels cover (head_dim 128, at most 128 heads, a page size that is a
 power of two >= 4, 16-byte aligned codes); the op decides what to do with the
 others (it runs the reference, and warns).
@@ -223,8 +225,9 @@ PAGED_HP_KERNELS = (64,)
 
 
 def paged_kernel_name(path, variant, hp, stages, fp4=False):
-    """The decode kernel of a plan: ``cps_paged_mqa_logits_[fp4_]{path}_{variant}[_hHP]_s{stages}``
-    (``_h64`` where the wgmma path has a kernel built for ``hp`` heads)."""
+    """The per-page decode kernel of a plan:
+    ``cps_paged_mqa_logits_[fp4_]{path}_{variant}[_hHP]_s{stages}`` (``_h64`` where the
+    wgmma path has a kernel built for ``hp`` heads)."""
     fixed = f"_h{hp}" if path == "wgmma" and hp in PAGED_HP_KERNELS else ""
     return f"cps_paged_mqa_logits_{'fp4_' if fp4 else ''}{path}_{variant}{fixed}_s{stages}"
 
@@ -266,8 +269,9 @@ _PLANS: dict[Any, Any] = {}
 
 def paged_plan(batch, next_n, heads, dim, width, block_size, path=None, fp4=False):
     """(path, plan, kernel) of a decode shape on the current device, memoized: plan
-    and kernel None when the kernel does not cover it (see :func:`decode_plan`).
-    ``fp4``: MXFP4 keys, which the wgmma kernels read from pages of >= 64 keys."""
+    and kernel None when the kernel does not cover it (see :func:`decode_plan`); a
+    :func:`ws_decode_plan` where :func:`uses_ws_decode`. ``fp4``: MXFP4 keys, which the
+    wgmma kernels read from pages of >= 64 keys."""
     dev = raw_kernels.current_device()
     key = (dev, batch, next_n, heads, dim, width, block_size, path, fp4)
     hit = _PLANS.get(key)
@@ -351,16 +355,17 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
 def _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out, fn, pt,
               pieces, piece_tiles=None, ctas=None):
     """The warp-specialized decode launch (plan of :func:`ws_decode_plan`)."""
+    if ctas is not None and int(ctas) < 1:
+        raise ValueError(f"Invalid ctas: expected a positive CTA count, got {ctas}")
     batch, heads = q_codes.shape[0], q_codes.shape[2]
     piece_stages = pt // WS_MATH
     if piece_tiles is not None:
         piece_stages = max(1, min(-(-int(piece_tiles) // WS_MATH), BT_CAP // WS_MATH))
-        pieces = -(-(-(-width // (TILE * WS_MATH))) // piece_stages)
+        stages_w = -(-width // (TILE * WS_MATH))
+        pieces = -(-stages_w // piece_stages)
     context_lens = index_i32(cp, context_lens)
     block_table = index_i32(cp, block_table)
     items = batch * pieces
-    if ctas is not None and int(ctas) < 1:
-        raise ValueError(f"Invalid ctas: expected a positive CTA count, got {ctas}")
     grid = min(items, raw_kernels.device_facts().sms if ctas is None else int(ctas))
     fn((grid,), (WS_THREADS,),
        (q_codes, cache.data, weights, context_lens, int(context_lens.ndim == 2), block_table,
