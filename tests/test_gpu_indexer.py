@@ -236,7 +236,7 @@ def _generic_paged(cp, kin, batch, next_n, heads, width, fp4):
     facts = raw_kernels.device_facts()
     plan = kin.decode_plan(batch, next_n, heads, width, 64, facts.sms, facts.smem_per_sm,
                            kin.DECODE_STAGES, fp4, False)
-    name = f"cps_paged_mqa_logits_{'fp4_' if fp4 else ''}wgmma_{plan[0]}_s{plan[4]}"
+    name = kin.paged_kernel_name("wgmma", plan[0], plan[3], plan[4], fp4, fixed=False)
     return plan, kin._kernel(name, kin.PAGED_ARGS, kin.smem_bytes(plan[2] * plan[1], plan[4]))
 
 

@@ -224,12 +224,20 @@ def decode_plan(batch, next_n, heads, width, block_size, sms, smem_per_sm, stage
 PAGED_HP_KERNELS = (64,)
 
 
-def paged_kernel_name(path, variant, hp, stages, fp4=False):
+def has_fixed_head_kernel(path, hp):
+    """True where ``path`` has per-page decode kernels built for ``hp`` padded heads."""
+    return path == "wgmma" and hp in PAGED_HP_KERNELS
+
+
+def paged_kernel_name(path, variant, hp, stages, fp4=False, fixed=None):
     """The per-page decode kernel of a plan:
-    ``cps_paged_mqa_logits_[fp4_]{path}_{variant}[_hHP]_s{stages}`` (``_h64`` where the
-    wgmma path has a kernel built for ``hp`` heads)."""
-    fixed = f"_h{hp}" if path == "wgmma" and hp in PAGED_HP_KERNELS else ""
-    return f"cps_paged_mqa_logits_{'fp4_' if fp4 else ''}{path}_{variant}{fixed}_s{stages}"
+    ``cps_paged_mqa_logits_[fp4_]{path}_{variant}[_hHP]_s{stages}``. ``fixed``: the kernel
+    built for ``hp`` heads (``_h64``); None picks it wherever it exists
+    (:func:`has_fixed_head_kernel`), False names the one that takes hp at run time."""
+    if fixed is None:
+        fixed = has_fixed_head_kernel(path, hp)
+    return (f"cps_paged_mqa_logits_{'fp4_' if fp4 else ''}{path}_{variant}"
+            f"{f'_h{hp}' if fixed else ''}_s{stages}")
 
 
 def ws_decode_plan(batch, width, sms):
@@ -280,19 +288,19 @@ def paged_plan(batch, next_n, heads, dim, width, block_size, path=None, fp4=Fals
         path_ = _pick_path(path)
         stages = DECODE_STAGES if path_ == "wgmma" else MMA_STAGES
         covered = dim == D and (not fp4 or (path_ == "wgmma" and block_size >= TILE))
-        fixed = path_ == "wgmma" and _round8(heads) in PAGED_HP_KERNELS
-        plan = None if not covered else decode_plan(batch, next_n, heads, width, block_size,
-                                                    facts.sms, facts.smem_per_sm, stages, fp4,
-                                                    fixed)
-        fn = None
-        if plan is not None and uses_ws_decode(path_, next_n, heads, dim, block_size, fp4):
+        plan = fn = None
+        if uses_ws_decode(path_, next_n, heads, dim, block_size, fp4):
             plan = ws_decode_plan(batch, width, facts.sms)
             fn = _kernel(f"cps_paged_mqa_logits_ws_h64n{next_n}", PAGED_WS_ARGS,
                          ws_decode_smem_bytes())
-        elif plan is not None:
-            variant, nc, nch, hp = plan[:4]
-            fn = _kernel(paged_kernel_name(path_, variant, hp, stages, fp4), PAGED_ARGS,
-                         smem_bytes(nch * nc, stages))
+        elif covered:
+            fixed = has_fixed_head_kernel(path_, _round8(heads))
+            plan = decode_plan(batch, next_n, heads, width, block_size, facts.sms,
+                               facts.smem_per_sm, stages, fp4, fixed)
+            if plan is not None:
+                variant, nc, nch, hp = plan[:4]
+                fn = _kernel(paged_kernel_name(path_, variant, hp, stages, fp4, fixed),
+                             PAGED_ARGS, smem_bytes(nch * nc, stages))
         hit = _PLANS[key] = (path_, plan, fn)
     return hit
 
