@@ -262,11 +262,12 @@ class IndexerGather(Case):
 
 class PagedLogits(Case):
     heads = 16                           # the per-page kernel
+    dtype = "fp8"
 
     def __init__(self, cp, rng):
         super().__init__(cp, rng)
         self.num = 8
-        self.cache = cpsparse.IndexerKCache(8, BLOCK)
+        self.cache = cpsparse.IndexerKCache(8, BLOCK, dtype=self.dtype)
         self.cache.insert(rng.standard_normal((8 * BLOCK, 128)).astype(np.float32),
                           np.arange(8 * BLOCK, dtype=np.int32))
         self.q, _ = cpsparse.quantize_fp8(rng.standard_normal((3, 2, self.heads, 128)).astype(
@@ -285,17 +286,20 @@ class PagedLogits(Case):
 
     def prepare(self):
         cp = self.cp
-        self.dev = (cp.asarray(self.q), cp.asarray(self.cache.data), cp.asarray(self.w))
+        self.dev = (cp.asarray(self.q),
+                    cpsparse.IndexerKCache.wrap(cp.asarray(self.cache.data), BLOCK,
+                                                dtype=self.dtype),
+                    cp.asarray(self.w))
         self.lens_dev = {t: cp.asarray(self.lens.astype(t)) for t in ("int32", "int64")}
 
     def run(self, table_dev):
-        q, data, w = self.dev
-        return cpsparse.paged_mqa_logits(q, data, w, self.lens_dev[table_dev.dtype.name],
+        q, cache, w = self.dev
+        return cpsparse.paged_mqa_logits(q, cache, w, self.lens_dev[table_dev.dtype.name],
                                          table_dev, 256)
 
     def want(self, table):
         return R.indexer.paged_mqa_logits(self.q, self.cache.data, BLOCK, self.w, self.lens,
-                                          table, 256)
+                                          table, 256, self.dtype)
 
     def check(self, got, want):
         return close(_np(got), want, 1e-3, norm=True)
@@ -361,6 +365,10 @@ class PagedLogitsWs(PagedLogits):
     heads = 64                           # the warp-specialized kernel (ws_h64n2)
 
 
+class PagedLogitsWsMxfp4(PagedLogitsWs):
+    dtype = "mxfp4"                      # ... with MXFP4 keys (fp4_ws_h64n2)
+
+
 class SlotMapping(Case):
     def __init__(self, cp, rng):
         super().__init__(cp, rng)
@@ -400,6 +408,7 @@ CASES = {"attention_fp8": AttentionFp8, "attention_bf16": AttentionBf16,
          "indexer_insert": IndexerInsert, "mla_insert": MLAInsert,
          "indexer_gather": IndexerGather, "paged_mqa_logits": PagedLogits,
          "paged_mqa_logits_ws": PagedLogitsWs,
+         "paged_mqa_logits_ws_mxfp4": PagedLogitsWsMxfp4,
          "mqa_logits": PrefillLogits, "topk_per_row": TopkRows,
          "local_to_global_slots": SlotMapping}
 VALUES = ("-2147483648", "-123456", "-2", "num", "2147483647", "4294967296", "past_table")

@@ -266,7 +266,7 @@ def _paged_fixed_case(rng, heads, next_n, fp4):
 ])
 def test_paged_fixed_head_kernels_write_the_generic_bits(cp, kin, heads, next_n, fp4):
     """The decode kernels the plan picks for 57-64 heads on the wgmma path (``_h64``, and the
-    warp-specialized ``ws_h64n1`` / ``ws_h64n2`` with fp8 keys) write exactly the bits of the
+    warp-specialized ``[fp4_]ws_h64n1`` / ``_h64n2``) write exactly the bits of the
     kernels that take the head count at run time: ragged and 2-D lengths, a missing page,
     the default pieces and pieces of one tile / one stage (every tile a row end)."""
     rng = np.random.default_rng(4000 + heads + 10 * next_n + fp4)
@@ -276,7 +276,7 @@ def test_paged_fixed_head_kernels_write_the_generic_bits(cp, kin, heads, next_n,
     batch = table.shape[0]
     path, plan, fn = kin.paged_plan(batch, next_n, heads, 128, width, 64, fp4=fp4)
     ws = kin.uses_ws_decode(path, next_n, heads, 128, 64, fp4)
-    assert fn.name == (f"cps_paged_mqa_logits_ws_h64n{next_n}" if ws else
+    assert fn.name == (kin.ws_kernel_name(next_n, fp4) if ws else
                        kin.paged_kernel_name(path, plan[0], 64, plan[4], fp4)), fn.name
     gplan, generic = _generic_paged(cp, kin, batch, next_n, heads, width, fp4)
     want = cp.full((batch * next_n, width), np.nan, dtype=cp.float32)
@@ -294,21 +294,23 @@ def test_paged_fixed_head_kernels_write_the_generic_bits(cp, kin, heads, next_n,
             f"H={heads} next_n={next_n} fp4={fp4} piece_tiles={pt}: {fn.name} differs"
 
 
-@pytest.mark.parametrize("next_n,ctas,piece_tiles", [
-    (2, 1, None), (2, 2, 4), (2, 3, 8), (2, 5, 1), (1, 1, None), (1, 3, 4),
+@pytest.mark.parametrize("next_n,ctas,piece_tiles,fp4", [
+    (2, 1, None, False), (2, 2, 4, False), (2, 3, 8, False), (2, 5, 1, False),
+    (1, 1, None, False), (1, 3, 4, False), (2, 1, None, True), (2, 3, 8, True),
+    (1, 2, 4, True),
 ])
-def test_paged_ws_few_ctas_wrap_the_rings(cp, kin, next_n, ctas, piece_tiles):
-    """The persistent warp-specialized decode kernel on 1-5 CTAs: each runs many pieces,
-    so its query slots and key ring wrap many times (mbarrier phases), pieces past a
-    context only write -inf; bit-identical to the per-page kernel."""
-    rng = np.random.default_rng(5000 + 10 * next_n + ctas)
-    host, q8, w, ctx, table, width = _paged_fixed_case(rng, 64, next_n, False)
-    dcache = cpsparse.IndexerKCache.wrap(cp.asarray(host.data), 64, 128)
+def test_paged_ws_few_ctas_wrap_the_rings(cp, kin, next_n, ctas, piece_tiles, fp4):
+    """The persistent warp-specialized decode kernels (fp8 and MXFP4 keys) on 1-5 CTAs:
+    each runs many pieces, so its query slots and key ring wrap many times (mbarrier
+    phases), pieces past a context only write -inf; bit-identical to the per-page kernel."""
+    rng = np.random.default_rng(5000 + 10 * next_n + ctas + 100 * fp4)
+    host, q8, w, ctx, table, width = _paged_fixed_case(rng, 64, next_n, fp4)
+    dcache = cpsparse.IndexerKCache.wrap(cp.asarray(host.data), 64, 128, dtype=host.dtype)
     dq, dw, dctx, dtable = (cp.asarray(a) for a in (q8, w, ctx, table))
     batch = table.shape[0]
-    path, plan, fn = kin.paged_plan(batch, next_n, 64, 128, width, 64)
-    assert plan[0] == "ws", plan
-    gplan, generic = _generic_paged(cp, kin, batch, next_n, 64, width, False)
+    path, plan, fn = kin.paged_plan(batch, next_n, 64, 128, width, 64, fp4=fp4)
+    assert plan[0] == "ws" and fn.name == kin.ws_kernel_name(next_n, fp4), (plan, fn.name)
+    gplan, generic = _generic_paged(cp, kin, batch, next_n, 64, width, fp4)
     want = cp.empty((batch * next_n, width), dtype=cp.float32)
     kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=want,
                          plan=(path, gplan, generic))
@@ -317,7 +319,8 @@ def test_paged_ws_few_ctas_wrap_the_rings(cp, kin, next_n, ctas, piece_tiles):
                          piece_tiles=piece_tiles, ctas=ctas)
     got = out.get()
     assert not np.isnan(got).any(), f"ctas={ctas}: unwritten (NaN-poisoned) outputs"
-    assert np.array_equal(got, want.get()), f"ctas={ctas} piece_tiles={piece_tiles}: differs"
+    assert np.array_equal(got, want.get()), \
+        f"ctas={ctas} piece_tiles={piece_tiles} fp4={fp4}: differs"
 
 
 @pytest.mark.parametrize("block_size", [16, 128])

@@ -123,6 +123,10 @@ def test_module_compiles_without_spills(name):
     ("attention", "cps_sparse_mla_bf16", "ATT_LAUNCH_REGS"),
     ("indexer", "cps_mqa_logits_ws", "CPS_IDX_WS_LAUNCH_REGS"),
     ("indexer", "cps_mqa_logits_ws_h64", "CPS_IDX_WS_LAUNCH_REGS"),
+    ("indexer", "cps_paged_mqa_logits_ws_h64n1", "CPS_IDX_WS_LAUNCH_REGS"),
+    ("indexer", "cps_paged_mqa_logits_ws_h64n2", "CPS_IDX_WS_LAUNCH_REGS"),
+    ("indexer", "cps_paged_mqa_logits_fp4_ws_h64n1", "CPS_IDX_WS_LAUNCH_REGS"),
+    ("indexer", "cps_paged_mqa_logits_fp4_ws_h64n2", "CPS_IDX_WS_LAUNCH_REGS"),
 ])
 def test_warp_specialized_kernel_launches_with_the_pool_its_split_assumes(module, kernel, define):
     # The warp-specialized kernels move registers between warpgroups with setmaxnreg;

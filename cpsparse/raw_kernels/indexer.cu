@@ -279,6 +279,36 @@ __device__ __forceinline__ u32 cps_e2m1x4_to_e4m3(u32 b, u32 lo, u32 hi) {
     return mag | ((sgn << 1) & 0x80808080u);
 }
 
+// A thread's A fragments of a 64-key MXFP4 tile (keys key0 and key0 + 8, lane t of the
+// quad), expanded from the packed codes into registers. ``codes``: the tile's codes in
+// shared memory, key r at 64 r; ``words``: its 4 scale bytes a key. In the MXFP4 k order
+// (cps_fp4_unit) lane t's values of every k-step are group t of the key, 16 contiguous
+// bytes: one shared load and one table (its codes times 2**(e_t - E), E the key's largest
+// scale byte) a key; word ks holds k-step ks, its low half a[0] / a[1], its high half
+// a[2] / a[3]. The key scales (times the epilogue's 0.5) become 0.5 * 2**(E - 127).
+__device__ __forceinline__ void cps_fp4_a_fragments(const u8* codes, const u32* words, int key0,
+                                                    int t, u32 (&afp4)[16], float& sk0,
+                                                    float& sk1) {
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+        const int r = key0 + 8 * rh;
+        const u32 word = words[r];
+        const uint4 pk = *reinterpret_cast<const uint4*>(codes + r * (CPS_IDX_D / 2) + 16 * t);
+        const int e_max = max(max(word & 0xFF, (word >> 8) & 0xFF),
+                              max((word >> 16) & 0xFF, word >> 24));
+        const float ks_f = 0.5f * __uint_as_float((u32)e_max << 23);
+        if (rh == 0) sk0 = ks_f; else sk1 = ks_f;
+        u32 lo, hi;
+        cps_e2m1_table((int)((word >> (8 * t)) & 0xFF) - e_max, lo, hi);
+        const u32 pw[4] = {pk.x, pk.y, pk.z, pk.w};
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            afp4[4 * ks + rh] = cps_e2m1x4_to_e4m3(pw[ks], lo, hi);
+            afp4[4 * ks + 2 + rh] = cps_e2m1x4_to_e4m3(pw[ks] >> 16, lo, hi);
+        }
+    }
+}
+
 // HP > 0: the padded head count hp is HP, known at compile time (then rpc = NC / HP):
 // the column decomposition folds to constants and so does the epilogue's row-end mask,
 // whose 8-column groups otherwise each carry a runtime test and a branch that keeps the
@@ -488,35 +518,12 @@ __device__ __forceinline__ void cps_idx_cta(
         }
         const int key0 = 16 * warp + g;
         float sk0, sk1;
-        // MXFP4: each thread expands its own A fragments (keys key0 and key0 + 8) from the
-        // packed codes into registers. In the MXFP4 k order (cps_fp4_unit) lane t's values
-        // of every k-step are group t of the key, 16 contiguous bytes: one shared load and
-        // one table (its codes times 2**(e_t - E), E the key's largest scale byte) a key;
-        // word ks holds k-step ks, its low half a[0] / a[1], its high half a[2] / a[3].
-        // The key scale becomes 2**(E - 127). No expanded tile in shared memory.
+        // MXFP4: each thread expands its own A fragments (cps_fp4_a_fragments).
         u32 afp4[FP4 ? 16 : 1];
         if constexpr (FP4) {
-            const u8* codes = s.k + buf * CPS_IDX_TILE_BYTES + CPS_IDX_TILE_BYTES / 2;
-            const u32* words = reinterpret_cast<const u32*>(s.ks) + buf * CPS_IDX_TILE;
-#pragma unroll
-            for (int rh = 0; rh < 2; ++rh) {
-                const int r = key0 + 8 * rh;
-                const u32 word = words[r];
-                const uint4 pk =
-                    *reinterpret_cast<const uint4*>(codes + r * (CPS_IDX_D / 2) + 16 * t);
-                const int e_max = max(max(word & 0xFF, (word >> 8) & 0xFF),
-                                      max((word >> 16) & 0xFF, word >> 24));
-                const float ks_f = 0.5f * __uint_as_float((u32)e_max << 23);
-                if (rh == 0) sk0 = ks_f; else sk1 = ks_f;
-                u32 lo, hi;
-                cps_e2m1_table((int)((word >> (8 * t)) & 0xFF) - e_max, lo, hi);
-                const u32 pw[4] = {pk.x, pk.y, pk.z, pk.w};
-#pragma unroll
-                for (int ks = 0; ks < 4; ++ks) {
-                    afp4[FP4 ? 4 * ks + rh : 0] = cps_e2m1x4_to_e4m3(pw[ks], lo, hi);
-                    afp4[FP4 ? 4 * ks + 2 + rh : 0] = cps_e2m1x4_to_e4m3(pw[ks] >> 16, lo, hi);
-                }
-            }
+            cps_fp4_a_fragments(s.k + buf * CPS_IDX_TILE_BYTES + CPS_IDX_TILE_BYTES / 2,
+                                reinterpret_cast<const u32*>(s.ks) + buf * CPS_IDX_TILE, key0, t,
+                                afp4, sk0, sk1);
         } else {
             sk0 = 0.5f * s.ks[buf * CPS_IDX_TILE + key0];
             sk1 = 0.5f * s.ks[buf * CPS_IDX_TILE + key0 + 8];
@@ -772,13 +779,14 @@ static_assert(CPS_IDX_WS_SMEM == CPS_IDX_WS_SMEM_LAUNCH,
 // The mbarriers of a warp-specialized CTA (thread 0; everyone syncs after): QFULL[2] (128
 // cp.async-completion arrivals and 32 after the metadata stores), QEMPTY[2] and KEMPTY[S]
 // (every math thread), KFULL[S] (128 cp.async-completion arrivals, plus ``kfull_extra``).
+template <int S = CPS_IDX_WS_STAGES>
 __device__ __forceinline__ void cps_idx_ws_init_barriers(u32 bar, int kfull_extra) {
-    const u32 kfull = bar + 32, kempty = bar + 32 + 8 * CPS_IDX_WS_STAGES;
+    const u32 kfull = bar + 32, kempty = bar + 32 + 8 * S;
     for (int i = 0; i < 2; ++i) {
         cps_mbar_init(bar + 8 * i, 128 + 32);
         cps_mbar_init(bar + 16 + 8 * i, CPS_IDX_WS_MATH_THREADS);
     }
-    for (int i = 0; i < CPS_IDX_WS_STAGES; ++i) {
+    for (int i = 0; i < S; ++i) {
         cps_mbar_init(kfull + 8 * i, 128 + kfull_extra);
         cps_mbar_init(kempty + 8 * i, CPS_IDX_WS_MATH_THREADS);
     }
@@ -801,6 +809,24 @@ __device__ __forceinline__ void cps_idx_ws_products(float (&acc)[NCOLS / 2], u64
     cps_wgmma_commit();
     cps_wgmma_wait<0>();
     cps_fence_regs(acc);
+}
+
+// ... with the 64 keys' A fragments in registers (MXFP4 keys: cps_fp4_a_fragments).
+template <int NCOLS>
+__device__ __forceinline__ void cps_idx_ws_products(float (&acc)[NCOLS / 2], u32 (&a)[16],
+                                                    u64 db) {
+    cps_fence_proxy_async();
+    cps_fence_regs(a);                                  // written before the fence
+    cps_wgmma_fence();
+#pragma unroll
+    for (int k4 = 0; k4 < 4; ++k4) {
+        if constexpr (NCOLS == 128) cps_wgmma_m64n128k32_rs(acc, &a[4 * k4], db + 2 * k4, k4);
+        else cps_wgmma_m64n64k32_rs(acc, &a[4 * k4], db + 2 * k4, k4);
+    }
+    cps_wgmma_commit();
+    cps_wgmma_wait<0>();
+    cps_fence_regs(acc);
+    cps_fence_regs(a);                                  // the next page rewrites them
 }
 
 // Query row r's logits of this thread's keys (key0, key0 + 8) from the products: the
@@ -1063,17 +1089,36 @@ CPS_MQA_WS_KERNEL(cps_mqa_logits_ws_h64, 64)
 //   producer: the item's page ids into s_bt (bounded: an id outside [0, num_blocks) or a
 //     position past the table row is -1), the rows' windows into the Q slot's metadata,
 //     the query block and weights into the slot, then the stages: each page's 8 KB of
-//     codes and 256 B of scales by 16- / 4-byte cp.async, and a mask of the stage's
-//     missing pages (never read; their keys score -inf); then -inf outside the visited
-//     keys of the piece.
+//     codes (MXFP4: 4 KB) and 256 B of scales by 16- / 4-byte cp.async, and a mask of the
+//     stage's missing pages (never read; their keys score -inf); then -inf outside the
+//     visited keys of the piece.
 //   math warpgroup g: page g of each stage, the products and the _h64 epilogue of the
-//     prefill kernel (bit-identical logits to cps_paged_mqa_logits_*).
+//     prefill kernel (bit-identical logits to cps_paged_mqa_logits_*); MXFP4 keys: the
+//     page's A fragments expanded into registers (cps_fp4_a_fragments; the slot is free
+//     before the products), the products one query row at a time.
 // mbarriers as the prefill kernel's, KFULL counting 128 cp.async arrivals and one after the
 // missing-page mask is stored.
-#define CPS_IDX_WSD_OFF_PM (CPS_IDX_WS_OFF_BAR + (4 + 2 * CPS_IDX_WS_STAGES) * 8)
-#define CPS_IDX_WSD_OFF_BT (CPS_IDX_WSD_OFF_PM + CPS_IDX_WS_STAGES * 4)
-#define CPS_IDX_WSD_SMEM (1024 + CPS_IDX_WSD_OFF_BT + CPS_IDX_BT_CAP * 4)
-static_assert(CPS_IDX_WSD_SMEM == CPS_IDX_WSD_SMEM_LAUNCH,
+// Shared memory, from a 1024-aligned base (indexer.py's ws_decode_smem_bytes): Q slots
+// [2][128 rows][128 B] (swizzled), the ring of S stages (KB code bytes a key: fp8 keys
+// swizzled, MXFP4 keys packed, key r of a page at 64 r), key scales [S][KEYS], weights
+// [2][128], metadata [2], mbarriers QFULL[2], QEMPTY[2], KFULL[S], KEMPTY[S], the stages'
+// missing-page masks [S], a piece's page ids [BT_CAP]. With S = CPS_IDX_WS_STAGES and fp8
+// keys the prefill kernel's layout up to the mbarriers.
+template <int S, int KB>
+struct CpsWsdLayout {
+    static constexpr int SLOT = CPS_IDX_WS_KEYS * KB;            // a stage's codes
+    static constexpr int OFF_K = 2 * 128 * CPS_IDX_D;
+    static constexpr int OFF_KS = OFF_K + S * SLOT;
+    static constexpr int OFF_W = OFF_KS + S * CPS_IDX_WS_KEYS * 4;
+    static constexpr int OFF_META = OFF_W + 2 * 128 * 4;
+    static constexpr int OFF_BAR = OFF_META + 2 * (int)sizeof(CpsIdxWsMeta);
+    static constexpr int OFF_PM = OFF_BAR + (4 + 2 * S) * 8;
+    static constexpr int OFF_BT = OFF_PM + S * 4;
+    static constexpr int SMEM = 1024 + OFF_BT + CPS_IDX_BT_CAP * 4;
+};
+static_assert(CpsWsdLayout<CPS_IDX_WS_STAGES, CPS_IDX_D>::SMEM == CPS_IDX_WSD_SMEM_LAUNCH
+                  && CpsWsdLayout<CPS_IDX_WSD_FP4_STAGES, CPS_IDX_D / 2>::SMEM
+                         == CPS_IDX_WSD_FP4_SMEM_LAUNCH,
               "the launcher's ws_decode_smem_bytes() is not the layout the kernel carves");
 static_assert(CPS_IDX_WS_KEYS == 4 * CPS_IDX_TILE && CPS_IDX_TILE == 64,
               "a decode stage is 4 pages of 64 keys");
@@ -1083,29 +1128,32 @@ static_assert(128 * CPS_IDX_WSD_PREGS + CPS_IDX_WS_MATH_THREADS * CPS_IDX_WSD_MR
                   <= CPS_IDX_WS_THREADS * CPS_IDX_WS_LAUNCH_REGS,
               "setmaxnreg split exceeds the CTA's register pool");
 
-template <int NN>
+template <int NN, bool FP4, int S>
 __device__ __forceinline__ void cps_paged_ws_body(
         const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w,
         const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,
         int num_blocks, float* __restrict__ out, int width, int H, int pieces,
         int piece_stages, int items) {
     constexpr int HPC = 64, NC = NN * HPC;
+    // A page: 64 keys' codes (fp8: 128 bytes a key; MXFP4: 64 bytes of packed e2m1), then
+    // their 4-byte scales (a float32; MXFP4: 4 ue8m0 bytes, one a group of 32).
+    constexpr int KB = FP4 ? CPS_IDX_D / 2 : CPS_IDX_D;
+    constexpr long long PAGE_BYTES = (long long)CPS_IDX_TILE * (KB + 4);
+    using L = CpsWsdLayout<S, KB>;
     static_assert(NN == 1 || NN == 2, "1 or 2 query rows a request");
     extern __shared__ u8 cps_idx_ws_smem_raw[];
     u8* base = cps_idx_ws_smem_raw + ((1024u - (cps_smem_u32(cps_idx_ws_smem_raw) & 1023u)) & 1023u);
     const u32 sbase = cps_smem_u32(base);
-    float* s_ks = reinterpret_cast<float*>(base + CPS_IDX_WS_OFF_KS);
-    float* s_w = reinterpret_cast<float*>(base + CPS_IDX_WS_OFF_W);
-    CpsIdxWsMeta* meta = reinterpret_cast<CpsIdxWsMeta*>(base + CPS_IDX_WS_OFF_META);
-    volatile int* s_pm = reinterpret_cast<volatile int*>(base + CPS_IDX_WSD_OFF_PM);
-    int* s_bt = reinterpret_cast<int*>(base + CPS_IDX_WSD_OFF_BT);
-    const u32 bar = sbase + CPS_IDX_WS_OFF_BAR;
-    const u32 kfull = bar + 32, kempty = bar + 32 + 8 * CPS_IDX_WS_STAGES;
+    float* s_ks = reinterpret_cast<float*>(base + L::OFF_KS);
+    float* s_w = reinterpret_cast<float*>(base + L::OFF_W);
+    CpsIdxWsMeta* meta = reinterpret_cast<CpsIdxWsMeta*>(base + L::OFF_META);
+    volatile int* s_pm = reinterpret_cast<volatile int*>(base + L::OFF_PM);
+    int* s_bt = reinterpret_cast<int*>(base + L::OFF_BT);
+    const u32 bar = sbase + L::OFF_BAR;
+    const u32 kfull = bar + 32, kempty = bar + 32 + 8 * S;
     const int tid = threadIdx.x, lane = tid & 31;
     const int piece_keys = piece_stages * CPS_IDX_WS_KEYS;
-    // fp8 pages: 64 keys of 128 code bytes, then their 64 float32 scales
-    constexpr long long PAGE_BYTES = (long long)CPS_IDX_TILE * (CPS_IDX_D + 4);
-    if (tid == 0) cps_idx_ws_init_barriers(bar, 1);
+    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 1);
     __syncthreads();
 
     if (tid >= CPS_IDX_WS_MATH_THREADS) {
@@ -1165,48 +1213,77 @@ __device__ __forceinline__ void cps_paged_ws_body(
             // Query block: column n = row * 64 + head (zero past H). (Not unrolled: its
             // per-thread offsets, hoisted out of the item loop, spilled the producer.)
             const u32 sq = sbase + qs * 128 * CPS_IDX_D;
+            if constexpr (!FP4) {
 #pragma unroll 1
-            for (int j = 0; j < NC / 16; ++j) {
-                const int n = 16 * j + (ptid >> 3), c = ptid & 7;
-                const int rl = n / HPC, h = n - rl * HPC;
-                const bool valid = h < H;
-                const u8* src = valid ? q + ((row0 + rl) * H + h) * CPS_IDX_D + c * 16 : q;
-                cps_cp_async16(sq + n * CPS_IDX_D + ((c ^ (n & 7)) << 4), src, valid);
+                for (int j = 0; j < NC / 16; ++j) {
+                    const int n = 16 * j + (ptid >> 3), c = ptid & 7;
+                    const int rl = n / HPC, h = n - rl * HPC;
+                    const bool valid = h < H;
+                    const u8* src = valid ? q + ((row0 + rl) * H + h) * CPS_IDX_D + c * 16 : q;
+                    cps_cp_async16(sq + n * CPS_IDX_D + ((c ^ (n & 7)) << 4), src, valid);
+                }
+            } else {
+                // MXFP4 keys: the head dimension in the MXFP4 order (cps_fp4_unit), 4-byte
+                // copies; lane u moves MMA unit u of a column, query unit cps_fp4_unit(u).
+                const int u4 = 4 * cps_fp4_unit(lane);
+#pragma unroll 1
+                for (int j = 0; j < NC / 4; ++j) {
+                    const int n = 4 * j + (ptid >> 5);
+                    const int rl = n / HPC, h = n - rl * HPC;
+                    const bool valid = h < H;
+                    const u8* src = valid ? q + ((row0 + rl) * H + h) * CPS_IDX_D + u4 : q;
+                    cps_cp_async4(sq + n * CPS_IDX_D + (((lane >> 2) ^ (n & 7)) << 4)
+                                      + 4 * (lane & 3), src, valid);
+                }
             }
             if (ptid < NC) {
                 const int rl = ptid / HPC, h = ptid - rl * HPC;
                 const bool valid = h < H;
-                cps_cp_async4(sbase + CPS_IDX_WS_OFF_W + (qs * 128 + ptid) * 4,
+                cps_cp_async4(sbase + L::OFF_W + (qs * 128 + ptid) * 4,
                               valid ? w + (row0 + rl) * H + h : w, valid);
             }
             cps_mbar_arrive_cp_async(bar + 8 * qs);
             if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);   // (after the metadata stores)
             for (int j = 0; j < nst; ++j, ++kv) {
-                const int st = kv % CPS_IDX_WS_STAGES;
-                cps_mbar_wait(kempty + 8 * st, ((kv / CPS_IDX_WS_STAGES) & 1) ^ 1);
+                const int st = kv % S;
+                cps_mbar_wait(kempty + 8 * st, ((kv / S) & 1) ^ 1);
                 const int t0 = own_lo + j * CPS_IDX_WS_KEYS;
                 int pg[4];
 #pragma unroll
                 for (int pq = 0; pq < 4; ++pq)
                     pg[pq] = t0 + pq * CPS_IDX_TILE < t_hi ? s_bt[4 * j + pq] : -1;
-                const u32 kdst = sbase + CPS_IDX_WS_OFF_K + st * (CPS_IDX_WS_KEYS * CPS_IDX_D);
+                const u32 kdst = sbase + L::OFF_K + st * L::SLOT;
+                if constexpr (!FP4) {
 #pragma unroll
-                for (int r = 0; r < CPS_IDX_WS_KEYS / 16; ++r) {
-                    const int pq = r >> 2;
-                    const bool valid = pg[pq] >= 0;
-                    const u8* src = valid ? cache + pg[pq] * PAGE_BYTES
-                                            + (16 * (r & 3) + rr) * CPS_IDX_D + (ptid & 7) * 16
-                                          : cache;
-                    cps_cp_async16(kdst + r * 2048 + dst_off, src, valid);
+                    for (int r = 0; r < CPS_IDX_WS_KEYS / 16; ++r) {
+                        const int pq = r >> 2;
+                        const bool valid = pg[pq] >= 0;
+                        const u8* src = valid ? cache + pg[pq] * PAGE_BYTES
+                                                + (16 * (r & 3) + rr) * CPS_IDX_D + (ptid & 7) * 16
+                                              : cache;
+                        cps_cp_async16(kdst + r * 2048 + dst_off, src, valid);
+                    }
+                } else {
+                    // A page's 4 KB of packed codes, unswizzled (key r at 64 r), page pq at
+                    // 4 KB pq of the slot.
+#pragma unroll
+                    for (int r = 0; r < CPS_IDX_WS_KEYS * KB / 2048; ++r) {
+                        const int pq = r >> 1;
+                        const bool valid = pg[pq] >= 0;
+                        const u8* src = valid ? cache + pg[pq] * PAGE_BYTES + (r & 1) * 2048
+                                                + ptid * 16
+                                              : cache;
+                        cps_cp_async16(kdst + r * 2048 + ptid * 16, src, valid);
+                    }
                 }
-                const u32 sdst = sbase + CPS_IDX_WS_OFF_KS + st * (CPS_IDX_WS_KEYS * 4);
+                const u32 sdst = sbase + L::OFF_KS + st * (CPS_IDX_WS_KEYS * 4);
 #pragma unroll
                 for (int r = 0; r < CPS_IDX_WS_KEYS / 128; ++r) {
                     const int key = 128 * r + ptid;
                     const int page = ptid < 64 ? pg[2 * r] : pg[2 * r + 1];  // (not pg[key >> 6]:
                     const bool valid = page >= 0;                          // a local-memory array)
                     const void* src = valid ? cache + page * PAGE_BYTES
-                                              + (long long)CPS_IDX_TILE * CPS_IDX_D + (key & 63) * 4
+                                              + (long long)CPS_IDX_TILE * KB + (key & 63) * 4
                                             : (const void*)cache;
                     cps_cp_async4(sdst + key * 4, src, valid);
                 }
@@ -1234,8 +1311,11 @@ __device__ __forceinline__ void cps_paged_ws_body(
     const int g = lane >> 2, t = lane & 3;
     const int key0 = 16 * warp + g;
     int kv = 0;
-    float acc[NC / 2];
-    const u64 da0 = cps_wgmma_desc(sbase + CPS_IDX_WS_OFF_K + wg * (CPS_IDX_TILE * CPS_IDX_D), 0, 1024);
+    // MXFP4: the products one query row (64 columns) at a time, 32 accumulators beside the
+    // 16 registers of the page's A fragments (all 128 columns at once, at 104 registers,
+    // ptxas serialized the wgmma).
+    float acc[FP4 ? 32 : NC / 2];
+    const u64 da0 = cps_wgmma_desc(sbase + L::OFF_K + wg * (CPS_IDX_TILE * CPS_IDX_D), 0, 1024);
     const u64 db0 = cps_wgmma_desc(sbase, 0, 1024);
     for (int it = 0;; ++it) {
         const int item = (int)blockIdx.x + it * (int)gridDim.x;
@@ -1257,16 +1337,30 @@ __device__ __forceinline__ void cps_paged_ws_body(
             rowp[r] = out + (row0 + r) * (long long)width + key0 + 8 * t;
         }
         for (int j = 0; j < nst; ++j, ++kv) {
-            const int st = kv % CPS_IDX_WS_STAGES;
-            cps_mbar_wait(kfull + 8 * st, (kv / CPS_IDX_WS_STAGES) & 1);
+            const int st = kv % S;
+            cps_mbar_wait(kfull + 8 * st, (kv / S) & 1);
             const int t0 = t_lo + j * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg;
             const bool live = t0 < t_hi;               // (uniform in the warpgroup)
             const bool missing = (s_pm[st] >> wg) & 1;
-            const float sk0 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0];
-            const float sk1 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0 + 8];
-            if (live && !missing)
-                cps_idx_ws_products<NC>(acc, da0 + (u64)((st * (CPS_IDX_WS_KEYS * CPS_IDX_D)) >> 4),
-                                        db0 + (u64)((qs * (128 * CPS_IDX_D)) >> 4));
+            const u64 db = db0 + (u64)((qs * (128 * CPS_IDX_D)) >> 4);
+            float sk0, sk1;
+            u32 afp4[FP4 ? 16 : 1];
+            if constexpr (FP4) {
+                // The page's A fragments and key scales into registers: the ring slot is
+                // free before the products.
+                sk0 = sk1 = 0.f;
+                if (live && !missing)
+                    cps_fp4_a_fragments(
+                        base + L::OFF_K + st * L::SLOT + wg * (CPS_IDX_TILE * KB),
+                        reinterpret_cast<const u32*>(s_ks) + st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg,
+                        key0, t, afp4, sk0, sk1);
+            } else {
+                sk0 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0];
+                sk1 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0 + 8];
+                if (live && !missing)
+                    cps_idx_ws_products<NC>(
+                        acc, da0 + (u64)((st * L::SLOT) >> 4), db);
+            }
             cps_mbar_arrive(kempty + 8 * st);
             if (!live) continue;
             const int col = t0 + key0 + 8 * t;
@@ -1280,7 +1374,13 @@ __device__ __forceinline__ void cps_paged_ws_body(
             const bool whole = t0 + CPS_IDX_TILE <= hi_all;
 #pragma unroll
             for (int r = 0; r < NN; ++r) {
-                const float2 v = cps_idx_ws_row_logits<HPC / 8>(acc, r, wq, sk0, sk1);
+                float2 v;
+                if constexpr (FP4) {
+                    cps_idx_ws_products<64>(acc, afp4, db + (u64)((r * HPC * CPS_IDX_D) >> 4));
+                    v = cps_idx_ws_row_logits<HPC / 8>(acc, 0, wq + r * HPC, sk0, sk1);
+                } else {
+                    v = cps_idx_ws_row_logits<HPC / 8>(acc, r, wq, sk0, sk1);
+                }
                 if (whole) {
                     if (t < 2) rowp[r][t0] = t ? v.y : v.x;
                 } else if (t < 2 && col < t_hi) {
@@ -1293,15 +1393,19 @@ __device__ __forceinline__ void cps_paged_ws_body(
     }
 }
 
-// _h64n1 / _h64n2: next_n 1 / 2, 64 padded heads (the launcher's uses_ws_decode).
-#define CPS_PAGED_WS_KERNEL(NAME, NN)                                                         \
+// _h64n1 / _h64n2: next_n 1 / 2, 64 padded heads (the launcher's uses_ws_decode); fp4_:
+// MXFP4 keys, in a ring of CPS_IDX_WSD_FP4_STAGES stages of half the bytes (at 4 the B=128
+// x 32K next_n 2 launch took 262-267 us, at 8 229-248; the other shapes did not move).
+#define CPS_PAGED_WS_KERNEL(NAME, NN, FP4, S)                                                 \
     extern "C" __global__ void __launch_bounds__(CPS_IDX_WS_THREADS, 1)                       \
     NAME(const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w, \
          const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,  \
          int num_blocks, float* __restrict__ out, int width, int H, int pieces,               \
          int piece_stages, int items) {                                                       \
-        cps_paged_ws_body<NN>(q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out,       \
-                              width, H, pieces, piece_stages, items);                         \
+        cps_paged_ws_body<NN, FP4, S>(q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks,    \
+                                      out, width, H, pieces, piece_stages, items);            \
     }
-CPS_PAGED_WS_KERNEL(cps_paged_mqa_logits_ws_h64n1, 1)
-CPS_PAGED_WS_KERNEL(cps_paged_mqa_logits_ws_h64n2, 2)
+CPS_PAGED_WS_KERNEL(cps_paged_mqa_logits_ws_h64n1, 1, false, CPS_IDX_WS_STAGES)
+CPS_PAGED_WS_KERNEL(cps_paged_mqa_logits_ws_h64n2, 2, false, CPS_IDX_WS_STAGES)
+CPS_PAGED_WS_KERNEL(cps_paged_mqa_logits_fp4_ws_h64n1, 1, true, CPS_IDX_WSD_FP4_STAGES)
+CPS_PAGED_WS_KERNEL(cps_paged_mqa_logits_fp4_ws_h64n2, 2, true, CPS_IDX_WSD_FP4_STAGES)

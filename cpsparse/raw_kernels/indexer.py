@@ -8,8 +8,8 @@ module and set the kernels' shared-memory limit).
 Two tensor-core paths compute the same thing from the same shared-memory
 layout: ``"wgmma"`` (Hopper sm_90a, the default there) and ``"mma"``
 (``mma.sync`` e4m3). On the wgmma path, prefill and the decode of 1 or 2 query
-rows of 64 padded heads over fp8 pages of 64 keys run persistent warp-specialized
-kernels (:func:`uses_ws_decode`). :func:`supports_prefill` and :func:`decode_plan` say which
+rows of 64 padded heads over pages of 64 keys (fp8 or MXFP4) run persistent
+warp-specialized kernels (:func:`uses_ws_decode`). :func:`supports_prefill` and :func:`decode_plan` say which
 shapes the kernels cover (head_dim 128, at most 128 heads, a page size that is a
 power of two >= 4, 16-byte aligned codes); the op decides what to do with the
 others (it runs the reference, and warns).
@@ -34,6 +34,8 @@ MAX_ROWS = 64            # query rows per CTA                           (CPS_IDX
 BT_CAP = 256             # page ids per decode piece                    (CPS_IDX_BT_CAP)
 WS_MATH = 4              # math warpgroups of the warp-specialized prefill CTA (CPS_IDX_WS_MATH)
 WS_STAGES = 4            # key stages (64 * WS_MATH keys) in its ring         (CPS_IDX_WS_STAGES)
+WSD_FP4_STAGES = 8       # ... of the warp-specialized decode CTA with MXFP4 keys, whose
+                         # stages take half the bytes (CPS_IDX_WSD_FP4_STAGES)
 WS_THREADS = 128 * WS_MATH + 128    # ... and a producer warpgroup
 WS_PRODUCER_REGS = 32    # setmaxnreg split of its 640 x 96 launch registers (CPS_IDX_WS_PREGS)
 WS_MATH_REGS = 112       #                                                    (CPS_IDX_WS_MREGS)
@@ -59,10 +61,17 @@ def ws_smem_bytes(stages=WS_STAGES, math=WS_MATH):
             + (4 + 2 * stages) * 8)
 
 
-def ws_decode_smem_bytes(stages=WS_STAGES, math=WS_MATH):
-    """Dynamic shared memory of the warp-specialized decode CTA (CPS_IDX_WSD_SMEM): the
-    prefill CTA's, a missing-page mask a stage and the page ids of a piece."""
-    return ws_smem_bytes(stages, math) + 4 * stages + 4 * BT_CAP
+def ws_decode_smem_bytes(fp4=False, stages=None, math=WS_MATH):
+    """Dynamic shared memory of the warp-specialized decode CTA (indexer.cu's
+    CpsWsdLayout): the prefill CTA's with ``stages`` stages of fp8 or MXFP4 codes (default
+    WS_STAGES or WSD_FP4_STAGES), a missing-page mask a stage and the page ids of a
+    piece."""
+    if stages is None:
+        stages = WSD_FP4_STAGES if fp4 else WS_STAGES
+    keys = TILE * math
+    codes = stages * keys * (D // 2 if fp4 else D)
+    return (ws_smem_bytes(stages, math) - stages * keys * D + codes + 4 * stages
+            + 4 * BT_CAP)
 
 
 raw_kernels.register_module(
@@ -74,6 +83,8 @@ raw_kernels.register_module(
                  CPS_IDX_WS_PREGS=WS_PRODUCER_REGS, CPS_IDX_WS_MREGS=WS_MATH_REGS,
                  CPS_IDX_WS_SMEM_LAUNCH=ws_smem_bytes(),
                  CPS_IDX_WSD_SMEM_LAUNCH=ws_decode_smem_bytes(),
+                 CPS_IDX_WSD_FP4_STAGES=WSD_FP4_STAGES,
+                 CPS_IDX_WSD_FP4_SMEM_LAUNCH=ws_decode_smem_bytes(fp4=True),
                  CPS_IDX_WSD_PREGS=WSD_PRODUCER_REGS, CPS_IDX_WSD_MREGS=WSD_MATH_REGS,
                  CPS_IDX_N128M_MINB=N128M_CTAS_PER_SM,
                  CPS_IDX_N128M_FP4_MINB=N128M_CTAS_PER_SM_FP4,
@@ -86,7 +97,7 @@ MQA_ARGS = "PPPPPPP iiiii"
 # cps_paged_mqa_logits_*: q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out, width,
 # next_n, H, hp, nch, bs_shift, piece_tiles
 PAGED_ARGS = "PPPP i P ii P iiiiiii"
-# cps_paged_mqa_logits_ws_h64n*: q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out,
+# cps_paged_mqa_logits_[fp4_]ws_h64n*: q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out,
 # width, H, pieces, piece_stages, items
 PAGED_WS_ARGS = "PPPP i P ii P iiiii"
 
@@ -261,15 +272,22 @@ def ws_decode_plan(batch, width, sms):
     return "ws", 128, 1, 64, WS_STAGES, WS_MATH * best[1], best[2]
 
 
-# next_n with a warp-specialized decode kernel (indexer.cu's cps_paged_mqa_logits_ws_h64n*)
+# next_n with a warp-specialized decode kernel (indexer.cu's
+# cps_paged_mqa_logits_[fp4_]ws_h64n*)
 WS_DECODE_NEXT_N = (1, 2)
 
 
 def uses_ws_decode(path, next_n, heads, dim, block_size, fp4):
     """True where a warp-specialized decode kernel covers the shape (Hopper, 1 or 2 query
-    rows of 57-64 heads, fp8 pages of 64 keys)."""
+    rows of 57-64 heads, pages of 64 keys, fp8 or MXFP4: :func:`ws_kernel_name`)."""
     return (path == "wgmma" and next_n in WS_DECODE_NEXT_N and _round8(heads) == 64
-            and dim == D and block_size == TILE and not fp4)
+            and dim == D and block_size == TILE)
+
+
+def ws_kernel_name(next_n, fp4=False):
+    """The warp-specialized decode kernel of a shape :func:`uses_ws_decode` covers:
+    ``cps_paged_mqa_logits_[fp4_]ws_h64n{next_n}``."""
+    return f"cps_paged_mqa_logits_{'fp4_' if fp4 else ''}ws_h64n{next_n}"
 
 
 _PLANS: dict[Any, Any] = {}
@@ -291,8 +309,7 @@ def paged_plan(batch, next_n, heads, dim, width, block_size, path=None, fp4=Fals
         plan = fn = None
         if uses_ws_decode(path_, next_n, heads, dim, block_size, fp4):
             plan = ws_decode_plan(batch, width, facts.sms)
-            fn = _kernel(f"cps_paged_mqa_logits_ws_h64n{next_n}", PAGED_WS_ARGS,
-                         ws_decode_smem_bytes())
+            fn = _kernel(ws_kernel_name(next_n, fp4), PAGED_WS_ARGS, ws_decode_smem_bytes(fp4))
         elif covered:
             fixed = has_fixed_head_kernel(path_, _round8(heads))
             plan = decode_plan(batch, next_n, heads, width, block_size, facts.sms,
@@ -378,5 +395,5 @@ def _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out
     fn((grid,), (WS_THREADS,),
        (q_codes, cache.data, weights, context_lens, int(context_lens.ndim == 2), block_table,
         block_table.shape[1], cache.num_blocks, out, width, heads, pieces, piece_stages, items),
-       shared_mem=ws_decode_smem_bytes())
+       shared_mem=ws_decode_smem_bytes(cache.dtype == "mxfp4"))
     return out
