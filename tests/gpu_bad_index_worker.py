@@ -364,6 +364,14 @@ class TopkRows(PrefillLogits):
 class PagedLogitsWs(PagedLogits):
     heads = 64                           # the warp-specialized kernel (ws_h64n2)
 
+    def prepare(self):
+        super().prepare()
+        from cpsparse.raw_kernels import indexer as kin
+        fn = kin.paged_plan(3, 2, self.heads, 128, 256, BLOCK, fp4=self.dtype == "mxfp4")[2]
+        want = kin.ws_kernel_name(2, self.dtype == "mxfp4")
+        if fn.name != want:
+            raise AssertionError(f"the plan picked {fn.name}, not {want}")
+
 
 class PagedLogitsWsMxfp4(PagedLogitsWs):
     dtype = "mxfp4"                      # ... with MXFP4 keys (fp4_ws_h64n2)

@@ -262,7 +262,7 @@ def _paged_fixed_case(rng, heads, next_n, fp4):
 
 @pytest.mark.parametrize("heads,next_n,fp4", [
     (64, 1, False), (64, 2, False), (60, 2, False), (60, 3, False), (64, 1, True),
-    (64, 2, True),
+    (64, 2, True), (60, 2, True),
 ])
 def test_paged_fixed_head_kernels_write_the_generic_bits(cp, kin, heads, next_n, fp4):
     """The decode kernels the plan picks for 57-64 heads on the wgmma path (``_h64``, and the
@@ -311,9 +311,10 @@ def test_paged_ws_few_ctas_wrap_the_rings(cp, kin, next_n, ctas, piece_tiles, fp
     path, plan, fn = kin.paged_plan(batch, next_n, 64, 128, width, 64, fp4=fp4)
     assert plan[0] == "ws" and fn.name == kin.ws_kernel_name(next_n, fp4), (plan, fn.name)
     gplan, generic = _generic_paged(cp, kin, batch, next_n, 64, width, fp4)
-    want = cp.empty((batch * next_n, width), dtype=cp.float32)
+    want = cp.full((batch * next_n, width), np.nan, dtype=cp.float32)
     kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=want,
                          plan=(path, gplan, generic))
+    assert not np.isnan(want.get()).any(), "generic kernel: unwritten (NaN-poisoned) outputs"
     out = cp.full((batch * next_n, width), np.nan, dtype=cp.float32)
     kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=out,
                          piece_tiles=piece_tiles, ctas=ctas)
