@@ -2,9 +2,10 @@
 # One call on the device machine: the GPU tests, the cost of index bounding, the host-time
 # profile, the kernel benchmarks and the side-by-side peer benchmark. Logs and JSON go
 # under $OUT (default ./gpu_out). Usage:
-#   bash tools/gpu_check.sh [all|tests|bounds|profile|bench|peers]... [-- arguments...]
+#   bash tools/gpu_check.sh [all|tests|bounds|profile|bench|peers|ncu]... [-- arguments...]
 # "profile" is the host-time profile, the attention kernel's ablations and trace, and
-# the top-k kernel's phase trace.
+# the top-k kernel's phase trace. "ncu" (only when named: not part of "all") runs Nsight
+# Compute on the warp-specialized decode scoring kernels (benchmarks/profile_indexer.py).
 # "bounds" times the public ops with this tree and with the tree in .baseline/ (copy
 # the code before a change there: git archive <rev> cpsparse | tar -x -C .baseline).
 # "bench" takes benchmark module names after "--"; "peers" passes them to bench_peers
@@ -68,6 +69,18 @@ if want profile; then
     # The top-k kernel's phases (clock64 stamps a CTA), normal and low-contrast rows.
     timeout 200 python3 -m benchmarks.profile_topk 2>&1 | tee "$OUT/profile_topk.log" | tail -8
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if printf '%s\n' "${steps[@]}" | grep -qx ncu; then
+    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    if [ -x "$NCU" ]; then
+        echo "== ncu: the ws decode scoring kernels (report $OUT/ncu_indexer.txt)"
+        timeout 300 "$NCU" --clock-control none -k regex:_ws_h64n --section SpeedOfLight \
+            --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+            python3 -m benchmarks.profile_indexer > "$OUT/ncu_indexer.txt" 2>&1 || status=1
+        python3 -m benchmarks.profile_indexer --parse "$OUT/ncu_indexer.txt" || status=1
+    else
+        echo "== ncu: not found on this machine, skipped"
+    fi
 fi
 if want bench; then
     mods=("$@")
