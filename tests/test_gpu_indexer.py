@@ -275,7 +275,7 @@ def test_paged_fixed_head_kernels_write_the_generic_bits(cp, kin, heads, next_n,
     dq, dw, dctx, dtable = (cp.asarray(a) for a in (q8, w, ctx, table))
     batch = table.shape[0]
     path, plan, fn = kin.paged_plan(batch, next_n, heads, 128, width, 64, fp4=fp4)
-    ws = kin.uses_ws_decode(path, next_n, heads, 128, 64, fp4)
+    ws = kin.uses_ws_decode(path, next_n, heads, 128, 64)
     assert fn.name == (kin.ws_kernel_name(next_n, fp4) if ws else
                        kin.paged_kernel_name(path, plan[0], 64, plan[4], fp4)), fn.name
     gplan, generic = _generic_paged(cp, kin, batch, next_n, heads, width, fp4)

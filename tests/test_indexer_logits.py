@@ -464,15 +464,17 @@ def test_ws_decode_plan_covers_every_key_within_the_page_cap(batch, width, sms):
 @pytest.mark.parametrize("fp4", [False, True])
 def test_ws_decode_kernels_cover_fp8_and_mxfp4_pages_of_64(fp4):
     """Which decode shapes the warp-specialized kernels take (pure: no device), their names,
-    and their shared memory: the fp8 ring (4 stages of 32 KB) and the MXFP4 one (8 of 16 KB)
+    their plans' ring depth and their shared memory: the fp8 ring (4 stages of 32 KB) and the MXFP4 one (8 of 16 KB)
     within the H200's 227 KB a CTA, the MXFP4 one 4 KB larger (the stages' scales, masks and
     mbarriers)."""
     from cpsparse.raw_kernels import indexer as kin
-    covers = [kin.uses_ws_decode("wgmma", n, h, 128, bs, fp4)
+    covers = [kin.uses_ws_decode("wgmma", n, h, 128, bs)
               for n, h, bs in ((1, 64, 64), (2, 57, 64), (3, 64, 64), (1, 56, 64), (2, 64, 128),
                                (1, 64, 32))]
     assert covers == [True, True, False, False, False, False], covers
-    assert not kin.uses_ws_decode("mma", 1, 64, 128, 64, fp4)
+    assert not kin.uses_ws_decode("mma", 1, 64, 128, 64)
+    plan = kin.ws_decode_plan(64, 32768, 132, fp4)
+    assert plan[4] == (kin.WSD_FP4_STAGES if fp4 else kin.WS_STAGES), plan
     assert kin.ws_kernel_name(2, fp4) == f"cps_paged_mqa_logits_{'fp4_' if fp4 else ''}ws_h64n2"
     smem = kin.ws_decode_smem_bytes(fp4)
     assert smem <= 227 * 1024, smem

@@ -793,6 +793,23 @@ __device__ __forceinline__ void cps_idx_ws_init_barriers(u32 bar, int kfull_extr
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
+// A math thread's place in a warp-specialized CTA: its warpgroup and warp (through a shuffle
+// from lane 0 the compiler knows them warp-uniform: the wgmma descriptors built from them
+// stay in uniform registers), and its keys key0, key0 + 8 of a 64-key tile (g, t: its row
+// and column in the MMA's 8 x 4 lane layout).
+struct CpsIdxWsLane {
+    int wg, warp, g, t, key0;
+};
+__device__ __forceinline__ CpsIdxWsLane cps_idx_ws_lane(int tid) {
+    CpsIdxWsLane me;
+    me.wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    me.warp = __shfl_sync(0xffffffffu, (tid >> 5) & 3, 0);
+    me.g = (tid & 31) >> 2;
+    me.t = tid & 3;
+    me.key0 = 16 * me.warp + me.g;
+    return me;
+}
+
 // A math warpgroup's products of a stage: its 64 keys (descriptor da) against NCOLS query
 // columns (db), waited for. The cp.async bytes -> the async proxy first. (Without this
 // fence the prefill kernel measured 2-4% faster, as the attention kernels run, but the
@@ -969,12 +986,8 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
 
     // ---- math warpgroups ----
     cps_setmaxnreg_inc<CPS_IDX_WS_MATH_REGS>();
-    // (Through a shuffle from lane 0 the compiler knows them warp-uniform: the wgmma
-    // descriptors built from them stay in uniform registers.)
-    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-    const int warp = __shfl_sync(0xffffffffu, (tid >> 5) & 3, 0);
-    const int g = lane >> 2, t = lane & 3;
-    const int key0 = 16 * warp + g;                   // this thread's keys: key0, key0 + 8
+    const CpsIdxWsLane me = cps_idx_ws_lane(tid);
+    const int wg = me.wg, t = me.t, key0 = me.key0;
     // Bit i: a row's columns end with column group i (8 columns).
     u32 done_mask = 0;
     for (int k = 1; k <= rpc; ++k) {
@@ -1306,10 +1319,8 @@ __device__ __forceinline__ void cps_paged_ws_body(
 
     // ---- math warpgroups ----
     cps_setmaxnreg_inc<CPS_IDX_WSD_MREGS>();
-    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-    const int warp = __shfl_sync(0xffffffffu, (tid >> 5) & 3, 0);
-    const int g = lane >> 2, t = lane & 3;
-    const int key0 = 16 * warp + g;
+    const CpsIdxWsLane me = cps_idx_ws_lane(tid);
+    const int wg = me.wg, t = me.t, key0 = me.key0;
     int kv = 0;
     // MXFP4: the products one query row (64 columns) at a time, 32 accumulators beside the
     // 16 registers of the page's A fragments (all 128 columns at once, at 104 registers,

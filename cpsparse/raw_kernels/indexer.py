@@ -251,9 +251,10 @@ def paged_kernel_name(path, variant, hp, stages, fp4=False, fixed=None):
             f"{f'_h{hp}' if fixed else ''}_s{stages}")
 
 
-def ws_decode_plan(batch, width, sms):
+def ws_decode_plan(batch, width, sms, fp4=False):
     """Launch shape of the warp-specialized decode kernels (:func:`uses_ws_decode`): the
-    plan tuple of :func:`decode_plan` with variant ``"ws"``.
+    plan tuple of :func:`decode_plan` with variant ``"ws"``, its stages the kernel's ring
+    depth (``fp4``: MXFP4 keys, a deeper ring of half-size stages).
 
     Each request is cut into pieces of equal whole stages (4 pages), the persistent CTAs
     (one an SM) take pieces round robin; the piece length minimizes the busiest CTA's
@@ -269,7 +270,8 @@ def ws_decode_plan(batch, width, sms):
         if best is None or cost < best[0]:
             best = (cost, ps, pieces)
     assert best is not None          # width >= 1: the range holds stages_w at least
-    return "ws", 128, 1, 64, WS_STAGES, WS_MATH * best[1], best[2]
+    return ("ws", 128, 1, 64, WSD_FP4_STAGES if fp4 else WS_STAGES, WS_MATH * best[1],
+            best[2])
 
 
 # next_n with a warp-specialized decode kernel (indexer.cu's
@@ -277,9 +279,9 @@ def ws_decode_plan(batch, width, sms):
 WS_DECODE_NEXT_N = (1, 2)
 
 
-def uses_ws_decode(path, next_n, heads, dim, block_size, fp4):
+def uses_ws_decode(path, next_n, heads, dim, block_size):
     """True where a warp-specialized decode kernel covers the shape (Hopper, 1 or 2 query
-    rows of 57-64 heads, pages of 64 keys, fp8 or MXFP4: :func:`ws_kernel_name`)."""
+    rows of 57-64 heads, pages of 64 keys; fp8 and MXFP4 alike: :func:`ws_kernel_name`)."""
     return (path == "wgmma" and next_n in WS_DECODE_NEXT_N and _round8(heads) == 64
             and dim == D and block_size == TILE)
 
@@ -307,9 +309,10 @@ def paged_plan(batch, next_n, heads, dim, width, block_size, path=None, fp4=Fals
         stages = DECODE_STAGES if path_ == "wgmma" else MMA_STAGES
         covered = dim == D and (not fp4 or (path_ == "wgmma" and block_size >= TILE))
         plan = fn = None
-        if uses_ws_decode(path_, next_n, heads, dim, block_size, fp4):
-            plan = ws_decode_plan(batch, width, facts.sms)
-            fn = _kernel(ws_kernel_name(next_n, fp4), PAGED_WS_ARGS, ws_decode_smem_bytes(fp4))
+        if uses_ws_decode(path_, next_n, heads, dim, block_size):
+            plan = ws_decode_plan(batch, width, facts.sms, fp4)
+            fn = _kernel(ws_kernel_name(next_n, fp4), PAGED_WS_ARGS,
+                         ws_decode_smem_bytes(fp4, plan[4]))
         elif covered:
             fixed = has_fixed_head_kernel(path_, _round8(heads))
             plan = decode_plan(batch, next_n, heads, width, block_size, facts.sms,
@@ -350,7 +353,7 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
     variant, nc, nch, hp, stages, pt, pieces = plan
     if variant == "ws":
         return _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out,
-                         fn, pt, pieces, piece_tiles, ctas)
+                         fn, stages, pt, pieces, piece_tiles, ctas)
     if piece_tiles is not None:
         pt = max(1, min(int(piece_tiles), (BT_CAP - 1) * cache.block_size // TILE))
         tiles_w = -(-width // TILE)
@@ -377,8 +380,8 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
     return out
 
 
-def _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out, fn, pt,
-              pieces, piece_tiles=None, ctas=None):
+def _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out, fn, stages,
+              pt, pieces, piece_tiles=None, ctas=None):
     """The warp-specialized decode launch (plan of :func:`ws_decode_plan`)."""
     if ctas is not None and int(ctas) < 1:
         raise ValueError(f"Invalid ctas: expected a positive CTA count, got {ctas}")
@@ -395,5 +398,5 @@ def _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out
     fn((grid,), (WS_THREADS,),
        (q_codes, cache.data, weights, context_lens, int(context_lens.ndim == 2), block_table,
         block_table.shape[1], cache.num_blocks, out, width, heads, pieces, piece_stages, items),
-       shared_mem=ws_decode_smem_bytes(cache.dtype == "mxfp4"))
+       shared_mem=ws_decode_smem_bytes(cache.dtype == "mxfp4", stages))
     return out
