@@ -267,16 +267,32 @@ __device__ __forceinline__ void cps_e2m1_table(int d, u32& lo, u32& hi) {
     }
 }
 
-// Four e2m1 codes (the low 16 bits of b; nibble i is element i) to four e4m3 bytes (byte
-// i is element i): the magnitude from the table, the sign from bit 3 of each nibble.
-// prmt with a selector nibble's msb set replicates the selected byte's msb (its sign
-// mode), so permuting bytes 0x80 by the codes gives 0xFF where a code is negative and
-// 0x80 where not: bit 6 of each byte is the code's sign.
-__device__ __forceinline__ u32 cps_e2m1x4_to_e4m3(u32 b, u32 lo, u32 hi) {
-    const u32 mag = __byte_perm(lo, hi, b & 0x7777u);
-    u32 sgn;
-    asm("prmt.b32 %0, %1, %1, %2;" : "=r"(sgn) : "r"(0x80808080u), "r"(b));
-    return mag | ((sgn << 1) & 0x80808080u);
+// Eight e2m1 codes (nibble i of c is element i) to eight e4m3 bytes: byte i of lo4 is
+// element i, byte i of hi4 element 4 + i. The magnitude comes from the table, the sign
+// from bit 3 of each nibble: prmt with a selector nibble's msb set replicates the selected
+// byte's msb (its sign mode), so permuting the bytes of k80 = 0x80808080 by the codes
+// gives 0xFF where a code is negative and 0x80 where not: bit 6 of each byte is the
+// code's sign. k80 comes in a register: as an immediate, ptxas re-materialized it
+// before every one of these prmt (16 moves a page a thread).
+__device__ __forceinline__ void cps_e2m1x8_to_e4m3(u32 c, u32 lo, u32 hi, u32 k80, u32& lo4,
+                                                   u32& hi4) {
+    const u32 ch = c >> 16;
+    u32 s_lo, s_hi;
+    asm("prmt.b32 %0, %1, %1, %2;" : "=r"(s_lo) : "r"(k80), "r"(c));
+    asm("prmt.b32 %0, %1, %1, %2;" : "=r"(s_hi) : "r"(k80), "r"(ch));
+    lo4 = __byte_perm(lo, hi, c & 0x7777u) | ((s_lo << 1) & 0x80808080u);
+    hi4 = __byte_perm(lo, hi, ch & 0x7777u) | ((s_hi << 1) & 0x80808080u);
+}
+
+// 0x80808080 in a register ptxas cannot fold back into an immediate (the kernels'
+// threads number at most 1024: tid >> 10 is 0).
+__device__ __forceinline__ u32 cps_k80() {
+    return 0x80808080u | (threadIdx.x >> 10);
+}
+
+// Byte i of w, zero-extended: one prmt (shift-and-mask takes two).
+__device__ __forceinline__ int cps_byte(u32 w, int i) {
+    return (int)__byte_perm(w, 0u, 0x4440u | (u32)i);
 }
 
 // A thread's A fragments of a 64-key MXFP4 tile (keys key0 and key0 + 8, lane t of the
@@ -286,26 +302,25 @@ __device__ __forceinline__ u32 cps_e2m1x4_to_e4m3(u32 b, u32 lo, u32 hi) {
 // bytes: one shared load and one table (its codes times 2**(e_t - E), E the key's largest
 // scale byte) a key; word ks holds k-step ks, its low half a[0] / a[1], its high half
 // a[2] / a[3]. The key scales (times the epilogue's 0.5) become 0.5 * 2**(E - 127).
+// k80: cps_k80().
 __device__ __forceinline__ void cps_fp4_a_fragments(const u8* codes, const u32* words, int key0,
-                                                    int t, u32 (&afp4)[16], float& sk0,
+                                                    int t, u32 k80, u32 (&afp4)[16], float& sk0,
                                                     float& sk1) {
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) {
         const int r = key0 + 8 * rh;
         const u32 word = words[r];
         const uint4 pk = *reinterpret_cast<const uint4*>(codes + r * (CPS_IDX_D / 2) + 16 * t);
-        const int e_max = max(max(word & 0xFF, (word >> 8) & 0xFF),
-                              max((word >> 16) & 0xFF, word >> 24));
+        const int e_max = max(max(cps_byte(word, 0), cps_byte(word, 1)),
+                              max(cps_byte(word, 2), cps_byte(word, 3)));
         const float ks_f = 0.5f * __uint_as_float((u32)e_max << 23);
         if (rh == 0) sk0 = ks_f; else sk1 = ks_f;
         u32 lo, hi;
-        cps_e2m1_table((int)((word >> (8 * t)) & 0xFF) - e_max, lo, hi);
+        cps_e2m1_table(cps_byte(word, t) - e_max, lo, hi);
         const u32 pw[4] = {pk.x, pk.y, pk.z, pk.w};
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-            afp4[4 * ks + rh] = cps_e2m1x4_to_e4m3(pw[ks], lo, hi);
-            afp4[4 * ks + 2 + rh] = cps_e2m1x4_to_e4m3(pw[ks] >> 16, lo, hi);
-        }
+        for (int ks = 0; ks < 4; ++ks)
+            cps_e2m1x8_to_e4m3(pw[ks], lo, hi, k80, afp4[4 * ks + rh], afp4[4 * ks + 2 + rh]);
     }
 }
 
@@ -523,7 +538,7 @@ __device__ __forceinline__ void cps_idx_cta(
         if constexpr (FP4) {
             cps_fp4_a_fragments(s.k + buf * CPS_IDX_TILE_BYTES + CPS_IDX_TILE_BYTES / 2,
                                 reinterpret_cast<const u32*>(s.ks) + buf * CPS_IDX_TILE, key0, t,
-                                afp4, sk0, sk1);
+                                cps_k80(), afp4, sk0, sk1);
         } else {
             sk0 = 0.5f * s.ks[buf * CPS_IDX_TILE + key0];
             sk1 = 0.5f * s.ks[buf * CPS_IDX_TILE + key0 + 8];
@@ -829,10 +844,10 @@ __device__ __forceinline__ void cps_idx_ws_products(float (&acc)[NCOLS / 2], u64
 }
 
 // ... with the 64 keys' A fragments in registers (MXFP4 keys: cps_fp4_a_fragments).
+// B's bytes must be in the async proxy already (the caller's fence.proxy.async).
 template <int NCOLS>
 __device__ __forceinline__ void cps_idx_ws_products(float (&acc)[NCOLS / 2], u32 (&a)[16],
                                                     u64 db) {
-    cps_fence_proxy_async();
     cps_fence_regs(a);                                  // written before the fence
     cps_wgmma_fence();
 #pragma unroll
@@ -858,6 +873,23 @@ __device__ __forceinline__ float2 cps_idx_ws_row_logits(const float (&acc)[N], i
         const int i2 = r * GPR + gi;
         const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * i2);
         cps_head_sum_add(hs, wv.x, wv.y, acc[4 * i2], acc[4 * i2 + 1], acc[4 * i2 + 2],
+                         acc[4 * i2 + 3]);
+    }
+    return cps_head_sum_finish(hs, sk0, sk1);
+}
+
+// ... with the row's GPR weight pairs in registers (wv[gi] = the pair the function above
+// reads at wq + 8 (r GPR + gi)). (Written out: the function above as a load into such an
+// array and a call of this one moved the prefill and fp8 next_n 2 kernels' shared loads.)
+template <int GPR, int N>
+__device__ __forceinline__ float2 cps_idx_ws_row_logits(const float (&acc)[N], int r,
+                                                        const float2 (&wv)[GPR], float sk0,
+                                                        float sk1) {
+    float hs[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int gi = 0; gi < GPR; ++gi) {
+        const int i2 = r * GPR + gi;
+        cps_head_sum_add(hs, wv[gi].x, wv[gi].y, acc[4 * i2], acc[4 * i2 + 1], acc[4 * i2 + 2],
                          acc[4 * i2 + 3]);
     }
     return cps_head_sum_finish(hs, sk0, sk1);
@@ -1177,7 +1209,7 @@ __device__ __forceinline__ void cps_paged_ws_body(
         // 16 it + rr (page it / 4, its key 16 (it % 4) + rr), chunk ptid % 8.
         const int rr = ptid >> 3;
         const u32 dst_off = rr * CPS_IDX_D + (((ptid & 7) ^ (rr & 7)) << 4);
-        int kv = 0;
+        unsigned kv = 0;
         for (int it = 0;; ++it) {
             const int item = (int)blockIdx.x + it * (int)gridDim.x;
             if (item >= items) break;
@@ -1258,7 +1290,7 @@ __device__ __forceinline__ void cps_paged_ws_body(
             cps_mbar_arrive_cp_async(bar + 8 * qs);
             if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);   // (after the metadata stores)
             for (int j = 0; j < nst; ++j, ++kv) {
-                const int st = kv % S;
+                const int st = (int)(kv % S);
                 cps_mbar_wait(kempty + 8 * st, ((kv / S) & 1) ^ 1);
                 const int t0 = own_lo + j * CPS_IDX_WS_KEYS;
                 int pg[4];
@@ -1321,7 +1353,8 @@ __device__ __forceinline__ void cps_paged_ws_body(
     cps_setmaxnreg_inc<CPS_IDX_WSD_MREGS>();
     const CpsIdxWsLane me = cps_idx_ws_lane(tid);
     const int wg = me.wg, t = me.t, key0 = me.key0;
-    int kv = 0;
+    const u32 k80 = cps_k80();
+    unsigned kv = 0;        // (unsigned: kv % S is a mask)
     // MXFP4: the products one query row (64 columns) at a time, 32 accumulators beside the
     // 16 registers of the page's A fragments (all 128 columns at once, at 104 registers,
     // ptxas serialized the wgmma).
@@ -1335,9 +1368,26 @@ __device__ __forceinline__ void cps_paged_ws_body(
         const long long row0 = (long long)b * NN;
         const int qs = it & 1;
         cps_mbar_wait(bar + 8 * qs, (it >> 1) & 1);
+        // MXFP4: the query block is the only operand wgmma reads from shared memory, so
+        // one fence an item moves its cp.async bytes to the async proxy (fp8: every page,
+        // in cps_idx_ws_products).
+        if constexpr (FP4) cps_fence_proxy_async();
         const CpsIdxWsMeta& m = meta[qs];
         const int t_lo = m.t_lo, t_hi = m.t_hi, nst = m.nst;
         const float* wq = s_w + qs * 128 + 2 * t;
+        // The thread's 16 head weights a query row in registers for the whole item (read
+        // from shared memory every page otherwise: the waits' memory clobbers keep the
+        // compiler from hoisting them). Not fp8 next_n 2: both rows' beside its 64
+        // accumulators spilled, and row 0's alone measured no faster (91.6-99.0 us
+        // against 91.2-96.9 at B=64 x 32K).
+        constexpr int WR = (FP4 || NN == 1) ? NN : 0;
+        float2 wreg[WR > 0 ? WR : 1][HPC / 8];
+#pragma unroll
+        for (int r = 0; r < WR; ++r) {
+#pragma unroll
+            for (int gi = 0; gi < HPC / 8; ++gi)
+                wreg[r][gi] = *reinterpret_cast<const float2*>(wq + r * HPC + 8 * gi);
+        }
         int rhi[NN];
         int hi_all = t_hi;                              // keys inside every row's window
         float* rowp[NN];
@@ -1348,7 +1398,7 @@ __device__ __forceinline__ void cps_paged_ws_body(
             rowp[r] = out + (row0 + r) * (long long)width + key0 + 8 * t;
         }
         for (int j = 0; j < nst; ++j, ++kv) {
-            const int st = kv % S;
+            const int st = (int)(kv % S);
             cps_mbar_wait(kfull + 8 * st, (kv / S) & 1);
             const int t0 = t_lo + j * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg;
             const bool live = t0 < t_hi;               // (uniform in the warpgroup)
@@ -1364,7 +1414,7 @@ __device__ __forceinline__ void cps_paged_ws_body(
                     cps_fp4_a_fragments(
                         base + L::OFF_K + st * L::SLOT + wg * (CPS_IDX_TILE * KB),
                         reinterpret_cast<const u32*>(s_ks) + st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg,
-                        key0, t, afp4, sk0, sk1);
+                        key0, t, k80, afp4, sk0, sk1);
             } else {
                 sk0 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0];
                 sk1 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0 + 8];
@@ -1386,12 +1436,12 @@ __device__ __forceinline__ void cps_paged_ws_body(
 #pragma unroll
             for (int r = 0; r < NN; ++r) {
                 float2 v;
-                if constexpr (FP4) {
+                if constexpr (FP4)
                     cps_idx_ws_products<64>(acc, afp4, db + (u64)((r * HPC * CPS_IDX_D) >> 4));
-                    v = cps_idx_ws_row_logits<HPC / 8>(acc, 0, wq + r * HPC, sk0, sk1);
-                } else {
+                if constexpr (WR == 0)
                     v = cps_idx_ws_row_logits<HPC / 8>(acc, r, wq, sk0, sk1);
-                }
+                else    // (FP4: acc holds row r alone)
+                    v = cps_idx_ws_row_logits(acc, FP4 ? 0 : r, wreg[r], sk0, sk1);
                 if (whole) {
                     if (t < 2) rowp[r][t0] = t ? v.y : v.x;
                 } else if (t < 2 && col < t_hi) {
