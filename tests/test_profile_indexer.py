@@ -58,8 +58,65 @@ def test_summary_has_a_line_a_kernel_and_dashes_for_missing_metrics():
     assert fp4[1:3] == ["103.33", "30.4"] and fp4[3] == "-"
 
 
-def test_parse_mode_refuses_a_report_without_kernels(tmp_path):
+@pytest.mark.parametrize("mode", ["--parse", "--source"])
+def test_read_modes_refuse_a_report_without_kernels(tmp_path, mode):
     f = tmp_path / "ncu.txt"
     f.write_text("==ERROR== the profiler could not connect\n")
     with pytest.raises(SystemExit, match="no kernel report"):
-        P.main(["--parse", str(f)])
+        P.main([mode, str(f)])
+
+
+def test_source_mode_prints_the_summary(tmp_path, capsys):
+    f = tmp_path / "src.csv"
+    f.write_text(SOURCE)
+    assert P.main(["--source", str(f)]) == 0
+    assert capsys.readouterr().out.startswith("cps_paged_mqa_logits_ws_h64n2: 425984 warp")
+
+
+# ncu's source page (``--page source --csv --print-source sass``) of 2026-12-03, a few
+# instructions of the two next_n 2 kernels and the columns the reader uses (the real
+# export has ~70; it lists each kernel twice, which the reader takes once).
+SOURCE = '''\
+"Kernel Name","cps_paged_mqa_logits_ws_h64n2",""
+"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","Instructions Executed","stall_barrier","stall_long_sb","stall_short_sb","stall_wait","stall_barrier (Not Issued)"
+"0x7f08977f0050","      QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR12], RZ, !UPT","211","86","131072","0","0","0","21","0"
+"0x7f08977f00d0","      WARPGROUP.DEPBAR.LE gsb0, 0x0","1046","337","131072","1023","0","0","12","333"
+"0x7f08977f0a60","      FFMA.FTZ R99, R4, R101, R99","183","79","131072","0","0","171","4","0"
+"0x7f08977f35a0","@!P0  BRA 0x7f08977f59e0","541","215","32768","0","538","0","0","0"
+"Kernel Name","cps_paged_mqa_logits_fp4_ws_h64n2",""
+"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","Instructions Executed","stall_barrier","stall_long_sb","stall_short_sb","stall_wait","stall_barrier (Not Issued)"
+"0x7f0856e9c200","      PRMT R9, R8, 0x4442, RZ","142","32","131072","0","0","123","1","0"
+"0x7f0856e9ce60","      WARPGROUP.DEPBAR.LE gsb0, 0x0","597","139","131072","585","0","0","4","137"
+"0x7f0856ea0070","@!P0  BRA 0x7f0856ea1e80","1125","165","32768","0","1125","0","0","0"
+"Kernel Name","cps_paged_mqa_logits_fp4_ws_h64n2",""
+"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","Instructions Executed","stall_barrier","stall_long_sb","stall_short_sb","stall_wait","stall_barrier (Not Issued)"
+"0x7f0856e9c200","      PRMT R9, R8, 0x4442, RZ","142","32","131072","0","0","123","1","0"
+'''
+
+
+def test_read_source_keeps_each_kernel_once_with_its_rows():
+    r = P.read_source(SOURCE)
+    assert list(r) == ["cps_paged_mqa_logits_ws_h64n2", "cps_paged_mqa_logits_fp4_ws_h64n2"]
+    header, rows = r["cps_paged_mqa_logits_ws_h64n2"]
+    assert header[:2] == ["Address", "Source"] and len(rows) == 4
+    assert len(r["cps_paged_mqa_logits_fp4_ws_h64n2"][1]) == 1      # the last listing
+
+
+def test_opcode_drops_predicate_and_modifiers():
+    assert P._opcode("@!P0  BRA 0x7f08977f59e0") == "BRA"
+    assert P._opcode("      WARPGROUP.DEPBAR.LE gsb0, 0x0") == "WARPGROUP"
+    assert P._opcode("FFMA.FTZ R99, R4, R101, R99") == "FFMA"
+
+
+def test_source_summary_shares_and_top_instructions():
+    text = P.source_summary(P.read_source(SOURCE), top=2).splitlines()
+    assert text[0] == "cps_paged_mqa_logits_ws_h64n2: 425984 warp instructions, 1981 samples"
+    # executed shares: QGMMA, WARPGROUP, FFMA 131072 each (30.8%), BRA 32768 (7.7%)
+    assert "BRA 7.7%" in text[1] and text[1].count("30.8%") == 3
+    # stall reasons over all samples (not-issued columns left out): 1023 barrier of 1981
+    assert text[2].startswith("  stalls: barrier 51.6%, long_sb 27.2%, short_sb 8.6%, wait 1.9%")
+    assert "(Not Issued)" not in text[2]
+    # the two most-sampled instructions, largest first, with their main reasons
+    assert text[3].split()[:2] == ["f00d0", "1046"] and "barrier=1023" in text[3]
+    assert text[4].split()[:2] == ["f35a0", "541"] and text[4].endswith("long_sb=538")
+    assert text[5].startswith("cps_paged_mqa_logits_fp4_ws_h64n2: 131072 warp instructions")

@@ -5,7 +5,8 @@
 #   bash tools/gpu_check.sh [all|tests|bounds|profile|bench|peers|ncu]... [-- arguments...]
 # "profile" is the host-time profile, the attention kernel's ablations and trace, and
 # the top-k kernel's phase trace. "ncu" (only when named: not part of "all") runs Nsight
-# Compute on the warp-specialized decode scoring kernels (benchmarks/profile_indexer.py).
+# Compute on the warp-specialized decode scoring kernels (benchmarks/profile_indexer.py):
+# the section summary, then the stall samples instruction by instruction (ncu_source.*).
 # "bounds" times the public ops with this tree and with the tree in .baseline/ (copy
 # the code before a change there: git archive <rev> cpsparse | tar -x -C .baseline).
 # "bench" takes benchmark module names after "--"; "peers" passes them to bench_peers
@@ -78,6 +79,14 @@ if printf '%s\n' "${steps[@]}" | grep -qx ncu; then
             --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
             python3 -m benchmarks.profile_indexer > "$OUT/ncu_indexer.txt" 2>&1 || status=1
         python3 -m benchmarks.profile_indexer --parse "$OUT/ncu_indexer.txt" || status=1
+        echo "== ncu: the same kernels instruction by instruction (source page $OUT/ncu_source.csv)"
+        timeout 200 "$NCU" --clock-control none -k regex:_ws_h64n --section SourceCounters \
+            --section WarpStateStats -f -o "$OUT/ncu_source" python3 -m benchmarks.profile_indexer \
+            > "$OUT/ncu_source.log" 2>&1 || status=1
+        "$NCU" --import "$OUT/ncu_source.ncu-rep" --page source --csv --print-source sass \
+            > "$OUT/ncu_source.csv" 2>> "$OUT/ncu_source.log" || status=1
+        rm -f "$OUT/ncu_source.ncu-rep"
+        python3 -m benchmarks.profile_indexer --source "$OUT/ncu_source.csv" | tee "$OUT/ncu_source.txt" || status=1
     else
         echo "== ncu: not found on this machine, skipped"
     fi
