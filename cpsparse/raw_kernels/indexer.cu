@@ -5,8 +5,9 @@
 // inside each query row's window, -inf outside (every output element written).
 //
 // Prefill on Hopper runs the persistent warp-specialized cps_mqa_logits_ws*, and decode of
-// 2 query rows of 64 padded heads over fp8 pages of 64 keys cps_paged_mqa_logits_ws_h64n2
-// (both at the end of this file); everything else is cps_idx_cta:
+// 1 or 2 query rows of 64 padded heads over pages of 64 keys (fp8 or MXFP4)
+// cps_paged_mqa_logits{,_fp4}_ws_h64n{1,2} (both at the end of this file); everything else
+// is cps_idx_cta:
 // One CTA = one warpgroup (128 threads) = a block of query rows ("rows"):
 //   * prefill (cps_mqa_logits_mma): 128 // hp query tokens, all their heads, against
 //     the key tiles of [min ks, max ke) of those rows (tiles outside every row's window
@@ -285,7 +286,9 @@ __device__ __forceinline__ void cps_e2m1x8_to_e4m3(u32 c, u32 lo, u32 hi, u32 k8
 }
 
 // 0x80808080 in a register ptxas cannot fold back into an immediate (the kernels'
-// threads number at most 1024: tid >> 10 is 0).
+// threads number at most 1024: tid >> 10 is 0). A compiler that used tid's range would
+// fold it again and bring the 16 moves back, silently (the logits stay the same): the
+// SASS shows them as an IMAD.U32 / MOV of 0x80808080 before each sign PRMT.
 __device__ __forceinline__ u32 cps_k80() {
     return 0x80808080u | (threadIdx.x >> 10);
 }
@@ -844,7 +847,8 @@ __device__ __forceinline__ void cps_idx_ws_products(float (&acc)[NCOLS / 2], u64
 }
 
 // ... with the 64 keys' A fragments in registers (MXFP4 keys: cps_fp4_a_fragments).
-// B's bytes must be in the async proxy already (the caller's fence.proxy.async).
+// B's bytes must be in the async proxy already: the caller fences (cps_paged_ws_body, once
+// an item after the query block's QFULL wait).
 template <int NCOLS>
 __device__ __forceinline__ void cps_idx_ws_products(float (&acc)[NCOLS / 2], u32 (&a)[16],
                                                     u64 db) {
