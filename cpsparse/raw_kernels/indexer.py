@@ -74,6 +74,11 @@ def ws_decode_smem_bytes(fp4=False, stages=None, math=WS_MATH):
             + 4 * BT_CAP)
 
 
+# The ws decode kernels' launch shared memory by key format (fp4: MXFP4), their rings at
+# their compiled depth (indexer.cu's static_assert holds the kernel's layout to these).
+WSD_SMEM = {False: ws_decode_smem_bytes(), True: ws_decode_smem_bytes(fp4=True)}
+
+
 raw_kernels.register_module(
     "indexer", ["common.cuh", "hopper.cuh", "indexer.cu"], capabilities=raw_kernels.exactly((9, 0)),
     ops=("mqa_logits", "paged_mqa_logits"), needs="Hopper wgmma, compiled for sm_90a",
@@ -82,9 +87,9 @@ raw_kernels.register_module(
                  CPS_IDX_WS_MATH=WS_MATH, CPS_IDX_WS_STAGES=WS_STAGES,
                  CPS_IDX_WS_PREGS=WS_PRODUCER_REGS, CPS_IDX_WS_MREGS=WS_MATH_REGS,
                  CPS_IDX_WS_SMEM_LAUNCH=ws_smem_bytes(),
-                 CPS_IDX_WSD_SMEM_LAUNCH=ws_decode_smem_bytes(),
+                 CPS_IDX_WSD_SMEM_LAUNCH=WSD_SMEM[False],
                  CPS_IDX_WSD_FP4_STAGES=WSD_FP4_STAGES,
-                 CPS_IDX_WSD_FP4_SMEM_LAUNCH=ws_decode_smem_bytes(fp4=True),
+                 CPS_IDX_WSD_FP4_SMEM_LAUNCH=WSD_SMEM[True],
                  CPS_IDX_WSD_PREGS=WSD_PRODUCER_REGS, CPS_IDX_WSD_MREGS=WSD_MATH_REGS,
                  CPS_IDX_N128M_MINB=N128M_CTAS_PER_SM,
                  CPS_IDX_N128M_FP4_MINB=N128M_CTAS_PER_SM_FP4,
@@ -311,8 +316,7 @@ def paged_plan(batch, next_n, heads, dim, width, block_size, path=None, fp4=Fals
         plan = fn = None
         if uses_ws_decode(path_, next_n, heads, dim, block_size):
             plan = ws_decode_plan(batch, width, facts.sms, fp4)
-            fn = _kernel(ws_kernel_name(next_n, fp4), PAGED_WS_ARGS,
-                         ws_decode_smem_bytes(fp4, plan[4]))
+            fn = _kernel(ws_kernel_name(next_n, fp4), PAGED_WS_ARGS, WSD_SMEM[fp4])
         elif covered:
             fixed = has_fixed_head_kernel(path_, _round8(heads))
             plan = decode_plan(batch, next_n, heads, width, block_size, facts.sms,
@@ -353,7 +357,7 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
     variant, nc, nch, hp, stages, pt, pieces = plan
     if variant == "ws":
         return _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out,
-                         fn, stages, pt, pieces, piece_tiles, ctas)
+                         fn, pt, pieces, piece_tiles, ctas)
     if piece_tiles is not None:
         pt = max(1, min(int(piece_tiles), (BT_CAP - 1) * cache.block_size // TILE))
         tiles_w = -(-width // TILE)
@@ -380,8 +384,8 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
     return out
 
 
-def _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out, fn, stages,
-              pt, pieces, piece_tiles=None, ctas=None):
+def _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out, fn, pt,
+              pieces, piece_tiles=None, ctas=None):
     """The warp-specialized decode launch (plan of :func:`ws_decode_plan`)."""
     if ctas is not None and int(ctas) < 1:
         raise ValueError(f"Invalid ctas: expected a positive CTA count, got {ctas}")
@@ -398,5 +402,5 @@ def _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out
     fn((grid,), (WS_THREADS,),
        (q_codes, cache.data, weights, context_lens, int(context_lens.ndim == 2), block_table,
         block_table.shape[1], cache.num_blocks, out, width, heads, pieces, piece_stages, items),
-       shared_mem=ws_decode_smem_bytes(cache.dtype == "mxfp4", stages))
+       shared_mem=WSD_SMEM[cache.dtype == "mxfp4"])
     return out
