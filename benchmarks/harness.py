@@ -55,14 +55,18 @@ def module_source_override(module, src, *plan_caches):
     """Launches inside compile ``src`` as kernel module ``module``'s source (never
     written to disk): the compiled modules, bound kernels and the launcher's memoized
     plans (``plan_caches``, dicts) are dropped on entry and exit, so the next launch
-    compiles the source in force. The profiles' ablations and traces use it."""
+    compiles the source in force. The public ops' call memos are emptied too (the top-k
+    ops keep the prepared launch of a call there). The profiles' ablations and traces use
+    it."""
     from cpsparse import raw_kernels
+    from cpsparse import _validation
 
     def forget_compiled():
         raw_kernels._COMPILED.clear()
         raw_kernels._KERNELS.clear()
         for cache in plan_caches:
             cache.clear()
+        _validation.CallMemo.clear_all()
 
     original = raw_kernels.module_source
     raw_kernels.module_source = (

@@ -48,10 +48,19 @@ class CallMemo:
     """
 
     __slots__ = ("name", "_seen", "_size")
+    _ALL: list[CallMemo] = []
 
     def __init__(self, name: str, size: int = 512) -> None:
         self.name, self._size = name, size
         self._seen: dict[Any, Any] = {}
+        CallMemo._ALL.append(self)
+
+    @classmethod
+    def clear_all(cls):
+        """Empty every op's memo: an entry may hold a launch prepared for the kernels
+        compiled then (the top-k ops'), which a new compilation of a module replaces."""
+        for memo in cls._ALL:
+            memo.clear()
 
     def get(self, key):
         """The value stored for ``key`` (None for a None key or a miss)."""

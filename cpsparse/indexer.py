@@ -358,6 +358,17 @@ def paged_mqa_logits(q_codes: Array, cache: IndexerKCache | Array, weights: Arra
 _PAGED_CALLS = V.CallMemo("paged_mqa_logits")
 
 
+def _launch_now(xp, launch):
+    """A top-k call's memoized kernel launch (``(device, run)`` of
+    :func:`cpsparse.raw_kernels.topk.call_launch`) when it is the whole call now: the
+    kernels on, no value checks to run (they read the arrays), the device it was
+    prepared on. None otherwise: the call takes the checked path."""
+    if launch is not None and _backend.use_kernels(xp) and not V.value_checks_enabled(xp) \
+            and launch[0] == _ktopk.raw_kernels.current_device():
+        return launch[1]
+    return None
+
+
 def _check_out(xp, out, rows, k):
     """The caller's ``out`` once checked (get_array_module has already refused an
     ``out`` on the other backend; None is allocated by the core)."""
@@ -416,9 +427,13 @@ def topk_per_row(logits: Array, row_starts: Array, row_ends: Array, k: IntLike,
         V.check_index("row_ends", row_ends, shape=(m,), shape_desc="[M]")
         if out is not None:
             _check_out(xp, out, m, k)
-        _TOPK_CALLS.put(key, (xp, k))
-    else:
-        xp, k = hit
+        launch = _ktopk.call_launch(xp, logits, k, _ktopk.MODE_ROWS, 1,
+                                    (row_starts, row_ends)) if _backend.use_kernels(xp) else None
+        hit = _TOPK_CALLS.put(key, (xp, k, launch))
+    xp, k, launch = hit
+    run = _launch_now(xp, launch)
+    if run is not None:
+        return run(logits, row_starts, row_ends, row_starts, out, None)
     V.check_windows(xp, row_starts, row_ends, logits.shape[1], ks_name="row_starts",
                     ke_name="row_ends")
     return topk_per_row_core(xp, logits, row_starts, row_ends, k, out)
@@ -503,9 +518,14 @@ def topk_per_row_decode(logits: Array, context_lens: Array, next_n: IntLike, k: 
                           shape_desc="[B, max_blocks]")
         if out is not None:
             _check_out(xp, out, logits.shape[0], k)
-        _TOPK_DECODE_CALLS.put(key, (xp, k, next_n, block_size))
-    else:
-        xp, k, next_n, block_size = hit
+        launch = _ktopk.call_launch(xp, logits, k, _ktopk.decode_mode(context_lens), next_n,
+                                    (context_lens,), block_table, block_size) \
+            if _backend.use_kernels(xp) else None
+        hit = _TOPK_DECODE_CALLS.put(key, (xp, k, next_n, block_size, launch))
+    xp, k, next_n, block_size, launch = hit
+    run = _launch_now(xp, launch)
+    if run is not None:
+        return run(logits, context_lens, context_lens, context_lens, out, block_table)
     rows, width = logits.shape
     if V.value_checks_enabled(xp) and rows:
         longest = int(decode_row_ends(context_lens, next_n).max())

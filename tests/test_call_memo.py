@@ -67,6 +67,15 @@ def test_layouts_key():
     assert V.layouts(a, [1, 2]) is None                       # not an array: no key
 
 
+def test_clear_all_empties_every_memo():
+    """CallMemo.clear_all (a kernel module compiled again) leaves no op's entry behind."""
+    for m in MEMOS:
+        m.put(("k",), 1)
+    assert all(m in V.CallMemo._ALL for m in MEMOS)
+    V.CallMemo.clear_all()
+    assert all(len(m) == 0 for m in MEMOS)
+
+
 def test_memo_is_bounded_and_ignores_none_keys():
     m = V.CallMemo("x", size=3)
     assert m.put(None, 1) == 1 and len(m) == 0 and m.get(None) is None

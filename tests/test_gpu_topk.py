@@ -455,3 +455,105 @@ def test_cluster_capacity_on_the_device(cp, ktopk):
     for rows in (1, 2, 4, 8, 16, 64):
         c = ktopk.default_cluster(rows, 131072)
         assert c <= raw_kernels.PORTABLE_CLUSTER or rows <= ktopk.cluster_capacity(c), (rows, c)
+
+
+@pytest.fixture
+def checks_off():
+    previous = cpsparse.set_device_value_checks(False)
+    yield
+    cpsparse.set_device_value_checks(previous)
+
+
+@pytest.fixture
+def checked_path(monkeypatch):
+    """Counts the CuPy calls that leave the memoized launch for the checked path (the
+    cores; NumPy calls, the tests' references, always go there)."""
+    from cpsparse import indexer
+    calls = []
+    for name in ("topk_per_row_core", "topk_per_row_decode_core"):
+        real = getattr(indexer, name)
+
+        def counted(xp, *a, _real=real, _name=name, **kw):
+            if xp is not np:
+                calls.append(_name)
+            return _real(xp, *a, **kw)
+        monkeypatch.setattr(indexer, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("form", ["1d", "2d", "slots", "out_none", "rows"])
+def test_memoized_launch_in_production_mode(cp, checks_off, checked_path, form):
+    """Value checks off, a call whose layouts the memo holds is its one prepared launch
+    (raw_kernels.topk.call_launch: the cores are not entered, the first call included) and
+    chooses what the set test wants on fresh values in the same arrays' layouts."""
+    rng = np.random.default_rng(len(form))
+    k, next_n, width, bs = 2048, 2, 40000, 64
+    lens = np.array([width, 3000, 2049, 7], np.int32)
+    ctx = np.minimum(lens[:, None] + np.arange(next_n) - 1, width).astype(np.int32) \
+        if form == "2d" else lens
+    table = _slot_table(rng, 4, -(-width // bs), 6 * (-(-width // bs)))
+    for call in range(3):
+        logits = rng.standard_normal((4 * next_n, width)).astype(np.float32)
+        if form == "slots":
+            logits = np.stack([rng.permutation(width) for _ in range(4 * next_n)]).astype(
+                np.float32)
+        out = None if form == "out_none" else _poisoned(cp, 4 * next_n, k)
+        if form == "rows":
+            starts = rng.integers(0, 100, 4 * next_n).astype(np.int32)
+            ends = np.minimum(starts + rng.integers(0, width, 4 * next_n), width).astype(
+                np.int32)
+            got = topk_per_row(cp.asarray(logits), cp.asarray(starts), cp.asarray(ends), k,
+                               out=out)
+            check_rows(logits, starts, ends, k, got.get())
+        elif form == "slots":
+            got = topk_per_row_decode(cp.asarray(logits), cp.asarray(ctx), next_n, k, out=out,
+                                      block_table=cp.asarray(table), block_size=bs)
+            want = topk_per_row_decode(logits, ctx, next_n, k, block_table=table,
+                                       block_size=bs)
+            assert np.array_equal(np.sort(got.get(), axis=1), np.sort(want, axis=1))
+        else:
+            got = topk_per_row_decode(cp.asarray(logits), cp.asarray(ctx), next_n, k,
+                                      out=out)
+            ends = decode_row_ends(ctx, next_n)
+            check_rows(logits, np.zeros_like(ends), ends, k, got.get())
+        assert out is None or got is out
+    assert checked_path == []
+
+
+@pytest.mark.parametrize("case", ["int64_lens", "block_size_48", "kernels_off", "checks_on",
+                                  "other_device"])
+def test_memoized_launch_steps_aside(cp, checks_off, checked_path, case):
+    """The memoized launch is the whole call only where it is the same work: an int64
+    ``context_lens`` (copied to int32 first), a page size the kernel does not map (a second
+    launch), kernels switched off after the memo was filled, value checks back on (they
+    read the arrays), another current device than the launch was prepared on: these take
+    the checked path, and still answer right."""
+    from cpsparse import indexer
+    indexer._TOPK_DECODE_CALLS.clear()
+    rng = np.random.default_rng(7)
+    k, width = 2048, 40000
+    lens = np.array([width, 3000, 2049, 7], np.int32)
+    bs = 48 if case == "block_size_48" else 64
+    table = _slot_table(rng, 4, -(-width // bs), 6 * (-(-width // bs)))
+    extra = dict(block_table=cp.asarray(table), block_size=bs) if case == "block_size_48" \
+        else {}
+    logits = np.stack([rng.permutation(width) for _ in range(4)]).astype(np.float32)
+    dctx = cp.asarray(lens.astype(np.int64) if case == "int64_lens" else lens)
+    topk_per_row_decode(cp.asarray(logits), dctx, 1, k, out=_poisoned(cp, 4, k), **extra)
+    fills = len(checked_path)
+    if case == "checks_on":
+        cpsparse.set_device_value_checks(True)
+    elif case == "other_device":            # the memo entry says another device prepared it
+        memo = indexer._TOPK_DECODE_CALLS._seen
+        (key, entry), = memo.items()
+        memo[key] = entry[:-1] + ((entry[-1][0] + 1, entry[-1][1]),)
+    previous = cpsparse.set_kernels_enabled(case != "kernels_off")
+    try:
+        got = topk_per_row_decode(cp.asarray(logits), dctx, 1, k, out=_poisoned(cp, 4, k),
+                                  **extra)
+    finally:
+        cpsparse.set_kernels_enabled(previous)
+    assert len(checked_path) == fills + 1
+    want = topk_per_row_decode(logits, lens, 1, k, **{n: (v.get() if hasattr(v, "get") else v)
+                                                      for n, v in extra.items()})
+    assert np.array_equal(np.sort(got.get(), axis=1), np.sort(want, axis=1))

@@ -145,3 +145,32 @@ def test_kernel_lookup_sets_function_attributes_once(monkeypatch):
     monkeypatch.setattr(raw_kernels, "_param_sizes", lambda fptr: [8, 8])
     with pytest.raises(RuntimeError, match="parameter sizes"):
         raw_kernels.kernel("m", "k2", "Pi")                   # int32 declared, 8 compiled
+
+
+def test_launcher_fixes_the_launch_and_keeps_its_kernel(monkeypatch):
+    """Kernel.launcher: the same driver call as __call__ (grid and block padded to three
+    dimensions, the stream's handle, the packed parameters), and the closure holds its
+    Kernel so that the code a bare function address names stays loaded (CPU: the driver
+    call recorded)."""
+    calls = []
+
+    class Stream:
+        ptr = 77
+
+    class Raw:
+        class kernel:
+            ptr = 1234
+
+    class CP:
+        class cuda:
+            get_current_stream = staticmethod(lambda: Stream)
+
+    monkeypatch.setattr(raw_kernels, "_param_sizes", lambda fptr: [8, 4])
+    monkeypatch.setattr(raw_kernels, "_driver_launch", lambda: lambda *a: calls.append(a))
+    fn = raw_kernels.Kernel(Raw(), "k", "Pi").bind(CP)
+    launch = fn.launcher((5,), (128, 2), 4096)
+    launch((None, 9))
+    fn((5,), (128, 2), (None, 9), shared_mem=4096)
+    assert calls[0] == calls[1] == (1234, 5, 1, 1, 128, 2, 1, 4096, 77, fn._params, 0)
+    assert launch.kernel is fn
+    assert struct.unpack("<Qi4x", fn._buffer.raw) == (0, 9)

@@ -411,6 +411,8 @@ def test_kernel_launcher_refuses_rows_its_int32_unit_count_cannot_hold(width, ok
         raise Planned
 
     monkeypatch.setattr(ktopk, "_plan", plan)
+    monkeypatch.setattr(ktopk.raw_kernels, "current_device", lambda: 0)
+    monkeypatch.setattr(ktopk, "_LAUNCHES", {})
     with pytest.raises(Planned if ok else ValueError, match=None if ok else "at most"):
         ktopk._launch(None, Shape(), None, None, None, 1, ktopk.MODE_ROWS, 2048, None, None)
 

@@ -530,6 +530,25 @@ class Kernel:
             self._launch_kernel(self._fptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
                                 self._stream().ptr, self._params, 0)
 
+    def launcher(self, grid, block, shared_mem=0):
+        """``launch(args)``: :meth:`__call__` with ``grid``, ``block`` and ``shared_mem``
+        fixed once. Everything a launch reads is a local of the closure (no attribute
+        lookups, no tuples built): for a launcher that memoizes a call shape's plan."""
+        g = tuple(grid) + (1, 1)
+        b = tuple(block) + (1, 1)
+        gx, gy, gz, bx, by, bz, smem = g[0], g[1], g[2], b[0], b[1], b[2], int(shared_mem)
+        lock, pack, buffer, params = self._lock, self._pack, self._buffer, self._params
+        fptr, stream, launch_kernel = self._fptr, self._stream, self._launch_kernel
+
+        def launch(args):
+            with lock:
+                pack(buffer, args)
+                launch_kernel(fptr, gx, gy, gz, bx, by, bz, smem, stream().ptr, params, 0)
+        # fptr is a bare address: the closure holds its Kernel (and so CuPy's function and
+        # module) so that the code stays loaded while anything can still launch it.
+        setattr(launch, "kernel", self)
+        return launch
+
 
 def _driver_launch():
     """CuPy's binding of ``cuLaunchKernel`` (Cython, no argument conversion)."""

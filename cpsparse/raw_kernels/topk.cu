@@ -547,6 +547,17 @@ __device__ __forceinline__ void tk_body(TK_PARAMS) {
     const int row = (int)(blockIdx.x / C);
     const int rank = C > 1 ? (int)tk_cluster_rank() : 0;
 
+    // Decode rows start at position 0: the units tk_adapt's statistics read are known
+    // before the window is, so their load goes out beside the context length's instead
+    // of after it (its latency was the first thing every long row waited on twice).
+    const float* lrow = logits + (long long)row * width;
+    float4 stat4 = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (mode != 0) {
+        const int head0 = (int)((reinterpret_cast<size_t>(lrow) >> 2) & 3);
+        if ((long long)tid < (head0 + width + 3) >> 2)          // a unit of the row's width
+            stat4 = __ldg(reinterpret_cast<const float4*>(lrow - head0) + tid);
+    }
+
     long long st, en;
     tk_row_window(row, width, row_starts, row_ends, context_lens, next_n, mode, st, en);
     int* __restrict__ orow = out + (long long)row * k;
@@ -567,7 +578,7 @@ __device__ __forceinline__ void tk_body(TK_PARAMS) {
 
     // The row as 16-byte units from the aligned address at or below its start
     // (st <= width < 2**31: a 32-bit offset from the row; a 64-bit one spills in c1_t256).
-    const float* q = (logits + (long long)row * width) + (int)st;
+    const float* q = lrow + (int)st;
     const int head = (int)((reinterpret_cast<size_t>(q) >> 2) & 3);
     const float4* qa = reinterpret_cast<const float4*>(q - head);
     const int nv = (head + n + 3) >> 2;
@@ -591,7 +602,9 @@ __device__ __forceinline__ void tk_body(TK_PARAMS) {
     // Rank 0's first tile holds them when its slice is that long.
     {
         float4 v4 = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (rank == 0 && v_hi >= min(nv, THREADS)) {
+        if (mode != 0) {
+            v4 = stat4;                 // the same units (st is 0), loaded above
+        } else if (rank == 0 && v_hi >= min(nv, THREADS)) {
             v4 = vals[0];
         } else if (tid < nv) {
             v4 = __ldg(qa + tid);

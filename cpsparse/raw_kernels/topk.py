@@ -128,58 +128,107 @@ def cluster_capacity(cluster):
     return got
 
 
-_PLANS: dict[Any, Any] = {}
-
-
 def _plan(rows, width, cluster, variant):
     """(kernel, CTAs per row, threads, dynamic shared bytes) of a launch shape on the
-    current device, memoized."""
-    key = (raw_kernels.current_device(), rows, width, cluster, variant)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if variant is None:
-            if cluster is None:
-                cluster = default_cluster(rows, width)
-            if cluster not in DEFAULT_VARIANT:
-                raise ValueError(f"Invalid cluster: expected one of {CLUSTERS}, got {cluster}")
-            variant = DEFAULT_VARIANT[cluster]
-            if cluster == 1 and width <= ROW_WIDTH:
-                variant = "r256"             # the row in shared memory
-        cluster, threads, cand = VARIANTS[variant]
-        if variant in ROW_VARIANTS:
-            if width > ROW_MAX_WIDTH:
-                raise ValueError(f"Invalid variant: {variant} takes rows of at most "
-                                 f"{ROW_MAX_WIDTH} values, got width={width}")
-            smem = row_buffer_bytes(width)
-        else:
-            smem = cand_buffer_bytes(cand)
-        if len(_PLANS) > 1024:
-            _PLANS.clear()
-        fn = raw_kernels.kernel("topk", f"cps_topk_{variant}", ARGS, smem=smem,
-                                cluster=cluster)
-        plan = _PLANS[key] = (fn, cluster, threads, smem)
-    return plan
+    current device (memoized by :func:`prepare`)."""
+    if variant is None:
+        if cluster is None:
+            cluster = default_cluster(rows, width)
+        if cluster not in DEFAULT_VARIANT:
+            raise ValueError(f"Invalid cluster: expected one of {CLUSTERS}, got {cluster}")
+        variant = DEFAULT_VARIANT[cluster]
+        if cluster == 1 and width <= ROW_WIDTH:
+            variant = "r256"             # the row in shared memory
+    cluster, threads, cand = VARIANTS[variant]
+    if variant in ROW_VARIANTS:
+        if width > ROW_MAX_WIDTH:
+            raise ValueError(f"Invalid variant: {variant} takes rows of at most "
+                             f"{ROW_MAX_WIDTH} values, got width={width}")
+        smem = row_buffer_bytes(width)
+    else:
+        smem = cand_buffer_bytes(cand)
+    fn = raw_kernels.kernel("topk", f"cps_topk_{variant}", ARGS, smem=smem, cluster=cluster)
+    return fn, cluster, threads, smem
+
+
+_LAUNCHES: dict[Any, Any] = {}
+
+
+def prepare(cp, rows, width, k, mode, next_n=1, table_cols=0, block_size=0, cluster=None,
+            variant=None):
+    """The launch of one call shape on the current device, memoized:
+    ``run(logits, row_starts, row_ends, context_lens, out, block_table) -> out``.
+
+    Everything that follows from the shapes (the variant, grid, shared memory, the
+    scalar arguments) is fixed here, so that a call is one argument pack and one
+    launch: the public ops keep ``run`` in their call memo (a serving loop's eager
+    top-k is bound by host time). ``run`` takes int32 index arrays (see
+    :func:`cpsparse.raw_kernels.index_i32`) and allocates ``out`` when it is None.
+    ``block_table`` (decode modes; ``table_cols`` its columns, ``block_size`` a power
+    of two) makes the rows global cache slots.
+    """
+    if width > MAX_WIDTH or k > INT32_MAX:
+        raise ValueError(f"Invalid shape of logits: the top-k kernel takes rows of at most "
+                         f"{MAX_WIDTH} values and k below 2**31, got width={width}, k={k}")
+    key = (raw_kernels.current_device(), rows, width, k, mode, next_n, table_cols, block_size,
+           cluster, variant)
+    run = _LAUNCHES.get(key)
+    if run is not None:
+        return run
+    shape = (rows, k)
+    if rows == 0 or k == 0:
+        def run(logits, row_starts, row_ends, context_lens, out, block_table):
+            return raw_kernels.empty(cp, shape, cp.int32) if out is None else out
+    else:
+        fn, cluster, threads, smem = _plan(rows, width, cluster, variant)
+        launch = fn.launcher((rows * cluster,), (threads,), smem)
+        shift = int(block_size).bit_length() - 1 if block_size else 0
+
+        def run(logits, row_starts, row_ends, context_lens, out, block_table):
+            if out is None:
+                out = raw_kernels.empty(cp, shape, cp.int32)
+            launch((logits, width, row_starts, row_ends, context_lens, next_n, mode, k, out,
+                    block_table, table_cols, shift))
+            return out
+    if len(_LAUNCHES) > 1024:
+        _LAUNCHES.clear()
+    _LAUNCHES[key] = run
+    return run
 
 
 def _launch(cp, logits, row_starts, row_ends, context_lens, next_n, mode, k, out, cluster,
             variant=None, block_table=None, block_size=0):
     rows, width = logits.shape
-    if rows == 0 or k == 0:
-        return out
-    if width > MAX_WIDTH or k > INT32_MAX:
-        raise ValueError(f"Invalid shape of logits: the top-k kernel takes rows of at most "
-                         f"{MAX_WIDTH} values and k below 2**31, got width={width}, k={k}")
-    fn, cluster, threads, smem = _plan(rows, width, cluster, variant)
     if block_table is None:
-        table, cols, shift = None, 0, 0
+        cols, block_size = 0, 0
     else:
-        table, cols = index_i32(cp, block_table), block_table.shape[1]
-        shift = int(block_size).bit_length() - 1
-    fn((rows * cluster,), (threads,),
-       (logits, width, index_i32(cp, row_starts), index_i32(cp, row_ends),
-        index_i32(cp, context_lens), next_n, mode, k, out, table, cols, shift),
-       shared_mem=smem)
-    return out
+        cols = block_table.shape[1]
+    run = prepare(cp, rows, width, k, mode, next_n, cols, block_size, cluster, variant)
+    return run(logits, index_i32(cp, row_starts), index_i32(cp, row_ends),
+               index_i32(cp, context_lens), out, index_i32(cp, block_table))
+
+
+def call_launch(cp, logits, k, mode, next_n, indices, block_table=None, block_size=0):
+    """``(device, run)`` for a public op's call memo: :func:`prepare` of this call's shape
+    on the current device, or None where the call takes more than that one launch (an
+    index array that is not int32: :func:`cpsparse.raw_kernels.index_i32` copies it;
+    a ``block_table`` whose page size the kernel does not map)."""
+    if any(a is not None and a.dtype != cp.int32 for a in indices + (block_table,)):
+        return None
+    if block_table is None:
+        cols, block_size = 0, 0
+    elif supports_slots(block_size):
+        cols = block_table.shape[1]
+    else:
+        return None
+    rows, width = logits.shape
+    return raw_kernels.current_device(), prepare(cp, rows, width, k, mode, next_n, cols,
+                                                 block_size)
+
+
+def decode_mode(context_lens):
+    """The kernel's decode mode of ``context_lens`` [B] or [B, next_n]."""
+    return MODE_DECODE_2D if context_lens.ndim == 2 else MODE_DECODE
 
 
 def supports_slots(block_size):
@@ -195,8 +244,6 @@ def topk_per_row(cp, logits, row_starts, row_ends, k, out, *, cluster=None, vari
     forces the CTAs per row and ``variant`` a compiled configuration (tests and
     benchmarks); None picks by shape.
     """
-    if out is None:
-        out = raw_kernels.empty(cp, (logits.shape[0], k), cp.int32)
     return _launch(cp, logits, row_starts, row_ends, row_starts, 1, MODE_ROWS, k, out, cluster,
                    variant)
 
@@ -208,8 +255,6 @@ def topk_per_row_decode(cp, logits, context_lens, next_n, k, out, *, cluster=Non
     With ``block_table`` [B, cols] (and a :func:`supports_slots` ``block_size``) the
     rows are global cache slots of request ``row // next_n`` instead of positions.
     """
-    if out is None:
-        out = raw_kernels.empty(cp, (logits.shape[0], k), cp.int32)
-    mode = MODE_DECODE_2D if context_lens.ndim == 2 else MODE_DECODE
-    return _launch(cp, logits, context_lens, context_lens, context_lens, next_n, mode, k, out,
+    return _launch(cp, logits, context_lens, context_lens, context_lens, next_n,
+                   decode_mode(context_lens), k, out,
                    cluster, variant, block_table, block_size)
