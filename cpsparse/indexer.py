@@ -343,9 +343,16 @@ def paged_mqa_logits(q_codes: Array, cache: IndexerKCache | Array, weights: Arra
         V.check_index("block_table", block_table, ndim=2, shape=(batch, None),
                       shape_desc="[B, max_blocks]")
         max_context_len = V.check_nonnegative_int("max_context_len", max_context_len)
-        _PAGED_CALLS.put(key, (xp, kcache.block_size))
+        launch = _kindexer.call_launch(xp, q_codes, kcache, context_lens, block_table,
+                                       max_context_len) if _backend.use_kernels(xp) else None
+        _PAGED_CALLS.put(key, (xp, kcache.block_size, launch))
     else:                                  # the same layouts passed the checks above
-        xp, block_size = hit
+        xp, block_size, launch = hit
+        run = _launch_now(xp, launch)
+        if run is not None:
+            logits = run(q_codes, data, weights, context_lens, block_table)
+            if logits is not None:
+                return logits
         q_codes = V.as_codes(q_codes)
         kcache = cache if isinstance(cache, IndexerKCache) else \
             IndexerKCache.trusted_view(data, block_size, q_codes.shape[3], xp)
@@ -359,8 +366,9 @@ _PAGED_CALLS = V.CallMemo("paged_mqa_logits")
 
 
 def _launch_now(xp, launch):
-    """A top-k call's memoized kernel launch (``(device, run)`` of
-    :func:`cpsparse.raw_kernels.topk.call_launch`) when it is the whole call now: the
+    """A call's memoized kernel launch (``(device, run)`` of
+    :func:`cpsparse.raw_kernels.topk.call_launch` or
+    :func:`cpsparse.raw_kernels.indexer.call_launch`) when it is the whole call now: the
     kernels on, no value checks to run (they read the arrays), the device it was
     prepared on. None otherwise: the call takes the checked path."""
     if launch is not None and _backend.use_kernels(xp) and not V.value_checks_enabled(xp) \
@@ -394,7 +402,9 @@ def topk_per_row(logits: Array, row_starts: Array, row_ends: Array, k: IntLike,
     -------
     int32 [M, k]
         Positions relative to ``row_start``. A row no longer than k gets
-        ``0 .. len-1`` ascending then -1 (no values read). A longer row gets
+        ``0 .. len-1`` ascending then -1 (no values used; decode rows' kernel reads
+        their first units before it knows a row is short, never past the row's
+        width). A longer row gets
         exactly k positions holding its k largest values, ties to the lower
         position; NumPy inputs get them largest first, the CUDA kernel in no
         particular order (and any choice among exact ties at the k-th value).

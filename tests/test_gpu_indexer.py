@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import cpsparse
+from cpsparse._backend import KernelFallbackWarning
 from cpsparse.reference import indexer as ref
 
 pytestmark = pytest.mark.gpu
@@ -425,3 +426,87 @@ def test_mxfp4_cache_on_cupy_matches_numpy():
         got = cpsparse.paged_mqa_logits(cp.asarray(q8), dev, cp.asarray(w), cp.asarray(lens),
                                         cp.asarray(table), 128)
     np.testing.assert_array_equal(got.get(), want)
+
+
+@pytest.fixture
+def paged_core_calls(monkeypatch):
+    """Counts the CuPy calls of paged_mqa_logits that leave the memoized launch for the
+    checked path (paged_mqa_logits_core)."""
+    from cpsparse import indexer
+    calls = []
+    real = indexer.paged_mqa_logits_core
+
+    def counted(xp, *a, **kw):
+        if xp is not np:
+            calls.append(1)
+        return real(xp, *a, **kw)
+    monkeypatch.setattr(indexer, "paged_mqa_logits_core", counted)
+    indexer._PAGED_CALLS.clear()
+    yield calls
+    indexer._PAGED_CALLS.clear()
+
+
+@pytest.mark.parametrize("form", ["fp8_n1", "fp8_n2_2d", "mxfp4_n2", "raw_2d", "raw_4d"])
+def test_paged_memoized_launch_in_production_mode(cp, paged_core_calls, form):
+    """Value checks off, a call whose layouts the memo holds is its one prepared launch
+    (raw_kernels.indexer.call_launch: the core is not entered) and writes the bits the
+    checked path writes, on fresh queries and tables in the same layouts; the cache as an
+    IndexerKCache (fp8, MXFP4) or as vLLM's and DeepGEMM's raw arrays."""
+    rng = np.random.default_rng(len(form))
+    next_n = 1 if form == "fp8_n1" else 2
+    lens = [20000, 65, 700, 1]
+    cache, q8, w, ctx, table = _paged_batch(rng, lens, next_n, 64, two_d=form == "fp8_n2_2d")
+    width = max(lens) + 37
+    if form == "mxfp4_n2":
+        host = cpsparse.IndexerKCache(cache.num_blocks, 64, 128, dtype="mxfp4")
+        host.insert(rng.standard_normal((cache.num_blocks * 64, 128)).astype(np.float32),
+                    np.arange(cache.num_blocks * 64, dtype=np.int32))
+        dcache = cpsparse.IndexerKCache.wrap(cp.asarray(host.data), 64, 128, dtype="mxfp4")
+    else:
+        dcache = cpsparse.IndexerKCache.wrap(cp.asarray(cache.data), 64, 128)
+    arg = dcache.data if form == "raw_2d" else \
+        dcache.data.reshape(-1, 64, 1, 132) if form == "raw_4d" else dcache
+    dctx, dtable = cp.asarray(ctx), cp.asarray(table)
+    previous = cpsparse.set_device_value_checks(False)
+    try:
+        for call in range(3):
+            dq, dw = (cp.asarray(a) for a in _queries(rng, (len(lens), next_n, 64, 128)))
+            if call == 2:                       # the same pages under other ids
+                ids = rng.permutation(cache.num_blocks)
+                dtable = cp.asarray(np.where(table >= 0, ids[table], -1).astype(np.int32))
+            got = cpsparse.paged_mqa_logits(dq, arg, dw, dctx, dtable, width)
+            cpsparse.set_device_value_checks(True)
+            want = cpsparse.paged_mqa_logits(dq, dcache, dw, dctx, dtable, width)
+            cpsparse.set_device_value_checks(False)
+            # (bitwise, NaN where both read a garbage page: the new table's ids reach pages
+            # _paged_batch never wrote)
+            assert cp.array_equal(got, want, equal_nan=True).item(), f"{form}: call {call}"
+    finally:
+        cpsparse.set_device_value_checks(previous)
+    assert len(paged_core_calls) == 1 + 3     # the first (checked) call, then the `want`s
+
+
+def test_paged_memoized_launch_leaves_a_misaligned_view(cp, paged_core_calls, monkeypatch):
+    """Queries at an address off 16 bytes have the layouts of aligned ones: the memoized
+    launch declines them, and the checked path runs the reference (with its fallback
+    warning, once a shape)."""
+    rng = np.random.default_rng(5)
+    lens = [3000, 65]
+    cache, q8, w, ctx, table = _paged_batch(rng, lens, 1, 64)
+    width = max(lens)
+    dcache = cpsparse.IndexerKCache.wrap(cp.asarray(cache.data), 64, 128)
+    dw, dctx, dtable = cp.asarray(w), cp.asarray(ctx), cp.asarray(table)
+    flat = cp.zeros(q8.size + 1, cp.uint8)
+    shifted = flat[1:].reshape(q8.shape)
+    shifted[...] = cp.asarray(q8)
+    previous = cpsparse.set_device_value_checks(False)
+    try:
+        cpsparse.paged_mqa_logits(cp.asarray(q8), dcache, dw, dctx, dtable, width)
+        monkeypatch.setattr(cpsparse._backend, "_FALLBACKS_WARNED", set())
+        with pytest.warns(KernelFallbackWarning, match="paged_mqa_logits"):
+            got = cpsparse.paged_mqa_logits(shifted, dcache, dw, dctx, dtable, width)
+    finally:
+        cpsparse.set_device_value_checks(previous)
+    assert len(paged_core_calls) == 2
+    _check(got, ref.paged_mqa_logits(q8, cache.data, 64, w, ctx, table, width),
+           "misaligned queries")

@@ -459,9 +459,17 @@ def test_cluster_capacity_on_the_device(cp, ktopk):
 
 @pytest.fixture
 def checks_off():
+    """Value checks off, and the top-k ops' memos empty before and after (an entry another
+    test filled, with kernels off, say, would hold no launch)."""
+    from cpsparse import indexer
+    memos = (indexer._TOPK_CALLS, indexer._TOPK_DECODE_CALLS)
+    for m in memos:
+        m.clear()
     previous = cpsparse.set_device_value_checks(False)
     yield
     cpsparse.set_device_value_checks(previous)
+    for m in memos:
+        m.clear()
 
 
 @pytest.fixture
@@ -529,7 +537,6 @@ def test_memoized_launch_steps_aside(cp, checks_off, checked_path, case):
     read the arrays), another current device than the launch was prepared on: these take
     the checked path, and still answer right."""
     from cpsparse import indexer
-    indexer._TOPK_DECODE_CALLS.clear()
     rng = np.random.default_rng(7)
     k, width = 2048, 40000
     lens = np.array([width, 3000, 2049, 7], np.int32)

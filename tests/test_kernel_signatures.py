@@ -170,6 +170,8 @@ def test_launcher_fixes_the_launch_and_keeps_its_kernel(monkeypatch):
     fn = raw_kernels.Kernel(Raw(), "k", "Pi").bind(CP)
     launch = fn.launcher((5,), (128, 2), 4096)
     launch((None, 9))
+    assert struct.unpack("<Qi4x", fn._buffer.raw) == (0, 9)       # packed by the closure
+    fn._buffer.raw = bytes(16)
     fn((5,), (128, 2), (None, 9), shared_mem=4096)
     assert calls[0] == calls[1] == (1234, 5, 1, 1, 128, 2, 1, 4096, 77, fn._params, 0)
     assert launch.kernel is fn

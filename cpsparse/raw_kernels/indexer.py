@@ -384,6 +384,45 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
     return out
 
 
+def call_launch(cp, q_codes, cache, context_lens, block_table, width):
+    """``(device, run)`` for the public op's call memo (see
+    :func:`cpsparse.raw_kernels.topk.call_launch`): the warp-specialized decode launch of
+    this call's shape on the current device, every shape-derived argument fixed, or None
+    where the call takes more than that launch (another kernel path, int32 copies of int64
+    indices, an empty output, codes that are not uint8).
+
+    ``run(q_codes, cache_data, weights, context_lens, block_table)`` returns the new
+    logits, or None when an operand's address is not 16-byte aligned (a view's offset:
+    the layouts do not say it; the checked path falls back to the reference, with its
+    warning).
+    """
+    batch, next_n, heads, dim = q_codes.shape
+    if batch * next_n == 0 or width == 0 or q_codes.dtype != cp.uint8 \
+            or context_lens.dtype != cp.int32 or block_table.dtype != cp.int32:
+        return None
+    fp4 = cache.dtype == "mxfp4"
+    _, plan, fn = paged_plan(batch, next_n, heads, dim, width, cache.block_size, None, fp4)
+    if plan is None or plan[0] != "ws":
+        return None
+    pt, pieces = plan[5], plan[6]
+    items = batch * pieces
+    launch = fn.launcher((min(items, raw_kernels.device_facts().sms),), (WS_THREADS,),
+                         WSD_SMEM[fp4])
+    lens_2d, cols, num_blocks = int(context_lens.ndim == 2), block_table.shape[1], \
+        cache.num_blocks
+    piece_stages = pt // WS_MATH
+    shape, float32 = (batch * next_n, width), cp.float32
+
+    def run(q_codes, cache_data, weights, context_lens, block_table):
+        if q_codes.data.ptr % 16 or cache_data.data.ptr % 16:
+            return None
+        out = raw_kernels.empty(cp, shape, float32)
+        launch((q_codes, cache_data, weights, context_lens, lens_2d, block_table, cols,
+                num_blocks, out, width, heads, pieces, piece_stages, items))
+        return out
+    return raw_kernels.current_device(), run
+
+
 def _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out, fn, pt,
               pieces, piece_tiles=None, ctas=None):
     """The warp-specialized decode launch (plan of :func:`ws_decode_plan`)."""

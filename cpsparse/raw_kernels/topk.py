@@ -2,7 +2,8 @@
 
 One launch per call, on CuPy's current stream, no host synchronisation (so a
 call can be captured in a CUDA graph): short rows (``len <= k``) are written
-``0..len-1, -1, ...`` without reading logits; longer rows get exactly k
+``0..len-1, -1, ...`` without using logits (decode rows load their first units
+before the window is known, within the row's width); longer rows get exactly k
 positions of their k largest values, in no particular order.
 
 Work split: rows of at most ``ROW_WIDTH`` values run one 256-thread CTA a row
@@ -167,7 +168,7 @@ def prepare(cp, rows, width, k, mode, next_n=1, table_cols=0, block_size=0, clus
     ``block_table`` (decode modes; ``table_cols`` its columns, ``block_size`` a power
     of two) makes the rows global cache slots.
     """
-    if width > MAX_WIDTH or k > INT32_MAX:
+    if (width > MAX_WIDTH or k > INT32_MAX) and rows and k:
         raise ValueError(f"Invalid shape of logits: the top-k kernel takes rows of at most "
                          f"{MAX_WIDTH} values and k below 2**31, got width={width}, k={k}")
     key = (raw_kernels.current_device(), rows, width, k, mode, next_n, table_cols, block_size,
