@@ -22,7 +22,7 @@ import numpy
 from cpsparse import _backend
 from cpsparse import _validation as V
 from cpsparse import attention as _attention
-from cpsparse import paging
+from cpsparse import paging, raw_kernels
 from cpsparse.cache import IndexerKCache
 from cpsparse.raw_kernels import indexer as _kindexer
 from cpsparse.raw_kernels import topk as _ktopk
@@ -372,7 +372,7 @@ def _launch_now(xp, launch):
     kernels on, no value checks to run (they read the arrays), the device it was
     prepared on. None otherwise: the call takes the checked path."""
     if launch is not None and _backend.use_kernels(xp) and not V.value_checks_enabled(xp) \
-            and launch[0] == _ktopk.raw_kernels.current_device():
+            and launch[0] == raw_kernels.current_device():
         return launch[1]
     return None
 

@@ -176,3 +176,62 @@ def test_launcher_fixes_the_launch_and_keeps_its_kernel(monkeypatch):
     assert calls[0] == calls[1] == (1234, 5, 1, 1, 128, 2, 1, 4096, 77, fn._params, 0)
     assert launch.kernel is fn
     assert struct.unpack("<Qi4x", fn._buffer.raw) == (0, 9)
+
+
+def test_ws_decode_launch_arguments_on_both_paths(monkeypatch):
+    """The warp-specialized decode launch of the checked path (_paged_ws) and the call
+    memo's prepared one (call_launch) pass the kernel the same arguments in
+    PAGED_WS_ARGS order: one CTA an SM, pieces and stages from the plan (CPU: the kernel
+    and the device faked; the prepared launch declines an operand off 16 bytes)."""
+    import numpy as np
+    from cpsparse.raw_kernels import indexer as kin
+
+    launches = []
+
+    class Fn:
+        def launcher(self, grid, block, smem):
+            return lambda args: launches.append((grid, block, smem, args))
+
+    class Ptr:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    class Arr:                                   # a device array: shape, dtype, address
+        def __init__(self, shape, dtype, ptr=0x1000):
+            self.shape, self.dtype, self.ndim = shape, np.dtype(dtype), len(shape)
+            self.data = Ptr(ptr)
+
+    class Cache:
+        dtype, block_size, num_blocks = "fp8", 64, 40
+
+        def __init__(self):
+            self.data = Arr((40, 64 * 132), np.uint8)
+
+    class Facts:
+        sms = 4                                  # fewer SMs than the 6 work items
+
+    class CP:
+        uint8, int32, float32 = np.dtype(np.uint8), np.dtype(np.int32), np.dtype(np.float32)
+
+        @staticmethod
+        def ndarray(shape, dtype):
+            return Arr(shape, dtype, 0x9000)
+
+    fn, cache = Fn(), Cache()
+    plan = ("ws", 128, 1, 64, kin.WS_STAGES, 8 * kin.WS_MATH, 3)      # pt 32 tiles, 3 pieces
+    monkeypatch.setattr(kin, "paged_plan", lambda *a: ("wgmma", plan, fn))
+    monkeypatch.setattr(raw_kernels, "device_facts", lambda: Facts)
+    monkeypatch.setattr(raw_kernels, "current_device", lambda: 0)
+    q, w = Arr((2, 2, 64, 128), np.uint8), Arr((4, 64), np.float32)
+    ctx, table = Arr((2, 2), np.int32), Arr((2, 9), np.int32)
+    out = Arr((4, 500), np.float32)
+    assert kin._paged_ws(CP, q, cache, w, ctx, table, 500, out, fn, plan[5], plan[6]) is out
+    dev, run = kin.call_launch(CP, q, cache, ctx, table, 500)
+    got = run(q, cache.data, w, ctx, table)
+    assert dev == 0 and got.shape == (4, 500) and got.data.ptr == 0x9000
+    want = ((4,), (kin.WS_THREADS,), kin.WSD_SMEM[False],
+            (q, cache.data, w, ctx, 1, table, 9, 40, out, 500, 64, 3, 8, 6))
+    assert launches[0] == want
+    assert launches[1] == want[:3] + (want[3][:8] + (got,) + want[3][9:],)
+    assert run(Arr(q.shape, np.uint8, 0x1001), cache.data, w, ctx, table) is None
+    assert len(launches) == 2

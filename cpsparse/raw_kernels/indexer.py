@@ -384,12 +384,32 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
     return out
 
 
+def _ws_launch(cp, fn, batch, next_n, heads, width, fp4, pieces, piece_stages, lens_2d,
+               cols, num_blocks, ctas=None):
+    """``launch(q_codes, cache_data, weights, context_lens, block_table, out=None) -> out``:
+    the warp-specialized decode kernel ``fn`` (:func:`ws_decode_plan`) with every argument
+    that follows from the shapes fixed (int32 index arrays; ``out`` None: allocated). One
+    CTA an SM, or ``ctas``."""
+    items = batch * pieces
+    grid = min(items, raw_kernels.device_facts().sms if ctas is None else int(ctas))
+    launch = fn.launcher((grid,), (WS_THREADS,), WSD_SMEM[fp4])
+    shape = (batch * next_n, width)
+
+    def run(q_codes, cache_data, weights, context_lens, block_table, out=None):
+        if out is None:
+            out = raw_kernels.empty(cp, shape, cp.float32)
+        launch((q_codes, cache_data, weights, context_lens, lens_2d, block_table, cols,
+                num_blocks, out, width, heads, pieces, piece_stages, items))
+        return out
+    return run
+
+
 def call_launch(cp, q_codes, cache, context_lens, block_table, width):
     """``(device, run)`` for the public op's call memo (see
     :func:`cpsparse.raw_kernels.topk.call_launch`): the warp-specialized decode launch of
-    this call's shape on the current device, every shape-derived argument fixed, or None
-    where the call takes more than that launch (another kernel path, int32 copies of int64
-    indices, an empty output, codes that are not uint8).
+    this call's shape on the current device (:func:`_ws_launch`), or None where the call
+    takes more than that launch (another kernel path, int32 copies of int64 indices, an
+    empty output, codes that are not uint8).
 
     ``run(q_codes, cache_data, weights, context_lens, block_table)`` returns the new
     logits, or None when an operand's address is not 16-byte aligned (a view's offset:
@@ -404,22 +424,13 @@ def call_launch(cp, q_codes, cache, context_lens, block_table, width):
     _, plan, fn = paged_plan(batch, next_n, heads, dim, width, cache.block_size, None, fp4)
     if plan is None or plan[0] != "ws":
         return None
-    pt, pieces = plan[5], plan[6]
-    items = batch * pieces
-    launch = fn.launcher((min(items, raw_kernels.device_facts().sms),), (WS_THREADS,),
-                         WSD_SMEM[fp4])
-    lens_2d, cols, num_blocks = int(context_lens.ndim == 2), block_table.shape[1], \
-        cache.num_blocks
-    piece_stages = pt // WS_MATH
-    shape, float32 = (batch * next_n, width), cp.float32
+    launch = _ws_launch(cp, fn, batch, next_n, heads, width, fp4, plan[6], plan[5] // WS_MATH,
+                        int(context_lens.ndim == 2), block_table.shape[1], cache.num_blocks)
 
     def run(q_codes, cache_data, weights, context_lens, block_table):
         if q_codes.data.ptr % 16 or cache_data.data.ptr % 16:
             return None
-        out = raw_kernels.empty(cp, shape, float32)
-        launch((q_codes, cache_data, weights, context_lens, lens_2d, block_table, cols,
-                num_blocks, out, width, heads, pieces, piece_stages, items))
-        return out
+        return launch(q_codes, cache_data, weights, context_lens, block_table)
     return raw_kernels.current_device(), run
 
 
@@ -428,7 +439,7 @@ def _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out
     """The warp-specialized decode launch (plan of :func:`ws_decode_plan`)."""
     if ctas is not None and int(ctas) < 1:
         raise ValueError(f"Invalid ctas: expected a positive CTA count, got {ctas}")
-    batch, heads = q_codes.shape[0], q_codes.shape[2]
+    batch, next_n, heads = q_codes.shape[:3]
     piece_stages = pt // WS_MATH
     if piece_tiles is not None:
         piece_stages = max(1, min(-(-int(piece_tiles) // WS_MATH), BT_CAP // WS_MATH))
@@ -436,10 +447,7 @@ def _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out
         pieces = -(-stages_w // piece_stages)
     context_lens = index_i32(cp, context_lens)
     block_table = index_i32(cp, block_table)
-    items = batch * pieces
-    grid = min(items, raw_kernels.device_facts().sms if ctas is None else int(ctas))
-    fn((grid,), (WS_THREADS,),
-       (q_codes, cache.data, weights, context_lens, int(context_lens.ndim == 2), block_table,
-        block_table.shape[1], cache.num_blocks, out, width, heads, pieces, piece_stages, items),
-       shared_mem=WSD_SMEM[cache.dtype == "mxfp4"])
-    return out
+    launch = _ws_launch(cp, fn, batch, next_n, heads, width, cache.dtype == "mxfp4", pieces,
+                        piece_stages, int(context_lens.ndim == 2), block_table.shape[1],
+                        cache.num_blocks, ctas)
+    return launch(q_codes, cache.data, weights, context_lens, block_table, out)
