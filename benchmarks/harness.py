@@ -55,8 +55,8 @@ def module_source_override(module, src, *plan_caches):
     """Launches inside compile ``src`` as kernel module ``module``'s source (never
     written to disk): the compiled modules, bound kernels and the launcher's memoized
     plans (``plan_caches``, dicts) are dropped on entry and exit, so the next launch
-    compiles the source in force. The public ops' call memos are emptied too (the top-k
-    ops keep the prepared launch of a call there). The profiles' ablations and traces use
+    compiles the source in force. The public ops' call memos are emptied too (the top-k,
+    paged scoring and sparse attention ops keep the prepared launch of a call there). The profiles' ablations and traces use
     it."""
     from cpsparse import raw_kernels
     from cpsparse import _validation

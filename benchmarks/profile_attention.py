@@ -188,7 +188,7 @@ def trace_summary(stamps):
 def attention_source(src):
     """Launches inside compile ``src`` as attention.cu (harness.module_source_override)."""
     from cpsparse.raw_kernels import attention as katt
-    return harness.module_source_override("attention", src, katt._PLANS)
+    return harness.module_source_override("attention", src, katt._PLANS, katt._LAUNCHES)
 
 
 def trace(cp, cpsparse, katt, raw_kernels, base):

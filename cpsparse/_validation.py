@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy
 
-from cpsparse import _backend, paging
+from cpsparse import _backend, paging, raw_kernels
 from cpsparse.reference._xp import to_host
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ class CallMemo:
     @classmethod
     def clear_all(cls):
         """Empty every op's memo: an entry may hold a launch prepared for the kernels
-        compiled then (the top-k ops'), which a new compilation of a module replaces."""
+        compiled then (the top-k, scoring and sparse attention ops'), which a new compilation
+        of a module replaces."""
         for memo in cls._ALL:
             memo.clear()
 
@@ -79,6 +80,17 @@ class CallMemo:
 
     def clear(self):
         self._seen.clear()
+
+
+def memo_launch(xp, launch):
+    """A call's memoized kernel launch, ``(device, run)`` as an op's call memo keeps it
+    (:func:`cpsparse.raw_kernels.topk.call_launch` and the others), when it is the whole
+    call now: the kernels on, no value checks to run (they read the arrays), the device
+    it was prepared on. None otherwise: the call takes the checked path."""
+    if launch is not None and _backend.use_kernels(xp) and not value_checks_enabled(xp) \
+            and launch[0] == raw_kernels.current_device():
+        return launch[1]
+    return None
 
 
 def layouts(*arrays):

@@ -236,11 +236,22 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
         # A raw fp8_ds_mla array is found again by its latent width (the layout
         # checks passed), a dense workspace by None.
         lora = source.kv_lora_rank if isinstance(source, MLAKVCache) else None
-        _SPARSE_CALLS.put(key, (xp, d_v, sm_scale, lora))
+        # fp8_ds_mla records (not MODEL1's pages, not dense rows): the kernel's launch,
+        # prepared once (the call then costs a launch or two: a decode loop's eager
+        # attention is bound by host time).
+        launch = _katt.call_launch(xp, q, data, source.records(), indices, sm_scale, d_v) \
+            if _backend.use_kernels(xp) and isinstance(source, MLAKVCache) \
+            and not isinstance(source, Model1KVCache) else None
+        _SPARSE_CALLS.put(key, (xp, d_v, sm_scale, lora, launch))
     else:                                  # the same layouts passed the checks above
-        xp, d_v, sm_scale, lora = hit
+        xp, d_v, sm_scale, lora, launch = hit
         if indices.ndim == 3:
             indices = indices.reshape(indices.shape[0], indices.shape[2])
+        run = V.memo_launch(xp, launch)
+        if run is not None:
+            result = run(q, data, indices)
+            if result is not None:
+                return result
         source = kv_cache if wrapped is not None or lora is None else MLAKVCache.trusted_view(
             data, lora, q.shape[2] - lora, xp)
     V.check_slots(xp, indices, _num_slots(source), name="indices")

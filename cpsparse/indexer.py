@@ -22,7 +22,7 @@ import numpy
 from cpsparse import _backend
 from cpsparse import _validation as V
 from cpsparse import attention as _attention
-from cpsparse import paging, raw_kernels
+from cpsparse import paging
 from cpsparse.cache import IndexerKCache
 from cpsparse.raw_kernels import indexer as _kindexer
 from cpsparse.raw_kernels import topk as _ktopk
@@ -220,6 +220,14 @@ def mqa_logits(q_codes: Array, k_codes: Array, k_scales: Array, weights: Array, 
            [False, False,  True],
            [False, False, False]])
     """
+    key = V.layouts(q_codes, k_codes, k_scales, weights, ks, ke)
+    hit = _MQA_CALLS.get(key)
+    if hit is not None:                    # the same layouts passed the checks below
+        run = V.memo_launch(*hit)
+        if run is not None:
+            logits = run(q_codes, k_codes, k_scales, weights, ks, ke)
+            if logits is not None:
+                return logits
     xp = _backend.get_array_module(q_codes=q_codes, k_codes=k_codes, k_scales=k_scales,
                                    weights=weights, ks=ks, ke=ke)
     q_codes = V.check_codes("q_codes", q_codes, ndim=3, shape_desc="[M, H, D]")
@@ -243,8 +251,17 @@ def mqa_logits(q_codes: Array, k_codes: Array, k_scales: Array, weights: Array, 
     _check_heads(q_codes, weights, m)
     V.check_index("ks", ks, shape=(m,), shape_desc="[M]")
     V.check_index("ke", ke, shape=(m,), shape_desc="[M]")
+    if hit is None:
+        # The prefill kernel's launch, prepared once: a hit with value checks off is that
+        # launch (the structural checks above are the layouts'; the kernel clamps windows).
+        launch = _kindexer.prefill_call_launch(xp, q_codes, k_codes, k_scales, ks, ke) \
+            if _backend.use_kernels(xp) else None
+        _MQA_CALLS.put(key, (xp, launch))
     V.check_windows(xp, ks, ke, n)
     return mqa_logits_core(xp, q_codes, k_codes, k_scales, weights, ks, ke)
+
+
+_MQA_CALLS = V.CallMemo("mqa_logits")
 
 
 def _cache_of(cache: Any, dim: int) -> IndexerKCache:
@@ -348,7 +365,7 @@ def paged_mqa_logits(q_codes: Array, cache: IndexerKCache | Array, weights: Arra
         _PAGED_CALLS.put(key, (xp, kcache.block_size, launch))
     else:                                  # the same layouts passed the checks above
         xp, block_size, launch = hit
-        run = _launch_now(xp, launch)
+        run = V.memo_launch(xp, launch)
         if run is not None:
             logits = run(q_codes, data, weights, context_lens, block_table)
             if logits is not None:
@@ -363,18 +380,6 @@ def paged_mqa_logits(q_codes: Array, cache: IndexerKCache | Array, weights: Arra
 
 
 _PAGED_CALLS = V.CallMemo("paged_mqa_logits")
-
-
-def _launch_now(xp, launch):
-    """A call's memoized kernel launch (``(device, run)`` of
-    :func:`cpsparse.raw_kernels.topk.call_launch` or
-    :func:`cpsparse.raw_kernels.indexer.call_launch`) when it is the whole call now: the
-    kernels on, no value checks to run (they read the arrays), the device it was
-    prepared on. None otherwise: the call takes the checked path."""
-    if launch is not None and _backend.use_kernels(xp) and not V.value_checks_enabled(xp) \
-            and launch[0] == raw_kernels.current_device():
-        return launch[1]
-    return None
 
 
 def _check_out(xp, out, rows, k):
@@ -441,7 +446,7 @@ def topk_per_row(logits: Array, row_starts: Array, row_ends: Array, k: IntLike,
                                     (row_starts, row_ends)) if _backend.use_kernels(xp) else None
         hit = _TOPK_CALLS.put(key, (xp, k, launch))
     xp, k, launch = hit
-    run = _launch_now(xp, launch)
+    run = V.memo_launch(xp, launch)
     if run is not None:
         return run(logits, row_starts, row_ends, row_starts, out, None)
     V.check_windows(xp, row_starts, row_ends, logits.shape[1], ks_name="row_starts",
@@ -533,7 +538,7 @@ def topk_per_row_decode(logits: Array, context_lens: Array, next_n: IntLike, k: 
             if _backend.use_kernels(xp) else None
         hit = _TOPK_DECODE_CALLS.put(key, (xp, k, next_n, block_size, launch))
     xp, k, next_n, block_size, launch = hit
-    run = _launch_now(xp, launch)
+    run = V.memo_launch(xp, launch)
     if run is not None:
         return run(logits, context_lens, context_lens, context_lens, out, block_table)
     rows, width = logits.shape

@@ -22,3 +22,40 @@ def cupy_kernels(request):
         yield request.param
     finally:
         cpsparse.set_kernels_enabled(previous)
+
+
+@pytest.fixture
+def count_core_calls(monkeypatch):
+    """``count(module, *names)``: replace those functions of ``module`` (an op's cores)
+    by wrappers that record each call on a non-NumPy backend, and return the record. A
+    recorded call left the op's prepared launch for its checked path (NumPy calls, the
+    tests' references, always go there)."""
+    import numpy
+
+    def count(module, *names):
+        calls = []
+        for name in names:
+            real = getattr(module, name)
+
+            def counted(xp, *a, _real=real, _name=name, **kw):
+                if xp is not numpy:
+                    calls.append(_name)
+                return _real(xp, *a, **kw)
+            monkeypatch.setattr(module, name, counted)
+        return calls
+    return count
+
+
+def memo_prepared_elsewhere(memo):
+    """Rewrite the one entry of an op's call memo (a CallMemo whose entries end with the
+    prepared launch, ``(device, run)``) as if another device than the current one had
+    prepared its launch."""
+    (key, entry), = memo._seen.items()
+    assert entry[-1] is not None, "the entry holds no prepared launch"
+    memo._seen[key] = entry[:-1] + ((entry[-1][0] + 1, entry[-1][1]),)
+
+
+@pytest.fixture
+def prepared_elsewhere():
+    """:func:`memo_prepared_elsewhere`, for the GPU tests of the prepared launches."""
+    return memo_prepared_elsewhere

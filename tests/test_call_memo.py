@@ -15,7 +15,7 @@ from cpsparse import _backend, attention, indexer
 from cpsparse import _validation as V
 
 MEMOS = [indexer._PAGED_CALLS, indexer._TOPK_CALLS, indexer._TOPK_DECODE_CALLS,
-         attention._SLOTS_CALLS, attention._SPARSE_CALLS]
+         indexer._MQA_CALLS, attention._SLOTS_CALLS, attention._SPARSE_CALLS]
 
 
 @pytest.fixture(autouse=True)
@@ -197,3 +197,56 @@ def test_attention_forms_hit_like_a_miss(form):
         np.testing.assert_array_equal(out, want[0])
         np.testing.assert_array_equal(lse, want[1])
     assert len(attention._SPARSE_CALLS) == (1 if form == "cache" else 2)
+
+
+def _prefill_args(rng, m=5, n=40, heads=8):
+    q8, qs = cpsparse.quantize_fp8(rng.standard_normal((m, heads, 128)).astype(np.float32),
+                                   eps=1e-10)
+    k8, ks8 = cpsparse.quantize_fp8(rng.standard_normal((n, 128)).astype(np.float32))
+    w = np.ascontiguousarray(rng.standard_normal((m, heads)).astype(np.float32) * qs[..., 0])
+    ke = np.arange(n - m + 1, n + 1, dtype=np.int32)
+    return [q8, k8, ks8, w, np.zeros(m, np.int32), ke]
+
+
+@pytest.mark.parametrize("form", ["scales_n1", "scales_n", "float8", "int64_windows", "mxfp4"])
+def test_prefill_forms_hit_like_a_miss(form):
+    """mqa_logits keeps its checks' conclusions by layouts too: a hit computes what a miss
+    computes for every accepted form ([N, 1] and [N] scales, float8 codes, int64 windows,
+    MXFP4 keys), and changed values are still read."""
+    rng = np.random.default_rng(0)
+    args = _prefill_args(rng)
+    if form == "scales_n":
+        args[2] = args[2][:, 0].copy()
+    elif form == "float8":
+        args[0] = args[0].view(ml_dtypes.float8_e4m3fn)
+        args[1] = args[1].view(ml_dtypes.float8_e4m3fn)
+    elif form == "int64_windows":
+        args[4], args[5] = args[4].astype(np.int64), args[5].astype(np.int64)
+    elif form == "mxfp4":
+        cache = cpsparse.IndexerKCache(1, 64, 128, dtype="mxfp4")
+        cache.insert(rng.standard_normal((40, 128)).astype(np.float32),
+                     np.arange(40, dtype=np.int32))
+        args[1], args[2] = cache.gather(np.zeros((1, 1), np.int32), np.array([0, 40], np.int32))
+    codes, scales = args[1], args[2]
+    if form != "mxfp4":
+        codes, scales = V.as_codes(codes), scales.reshape(-1)
+    want = indexer.mqa_logits_core(np, V.as_codes(args[0]), codes, scales, *args[3:])
+    for _ in range(2):                                    # a miss, then a hit
+        np.testing.assert_array_equal(indexer.mqa_logits(*args), want)
+    assert len(indexer._MQA_CALLS) == 1
+    args[3] = args[3] * 2                                 # new values, same layouts
+    np.testing.assert_array_equal(indexer.mqa_logits(*args), want * 2)
+
+
+def test_prefill_changed_layout_and_values_are_checked_again():
+    rng = np.random.default_rng(0)
+    args = _prefill_args(rng)
+    indexer.mqa_logits(*args)
+    bad = list(args)
+    bad[5] = args[5].astype(np.uint32)
+    with pytest.raises(TypeError, match="Invalid dtype of ke"):
+        indexer.mqa_logits(*bad)
+    bad = list(args)
+    bad[5] = args[5] + 1                                  # past the 40 keys: a value check
+    with pytest.raises(ValueError, match="Invalid ke"):
+        indexer.mqa_logits(*bad)

@@ -647,3 +647,102 @@ def test_model1_masked_slots_are_never_read(cp, katt):
         cp.asarray(q), dev, cp.asarray(idx), M1_SCALE, topk_length=cp.asarray(lens)))
     assert np.isnan(out[1, 5]).all() and np.isnan(lse[1, 5])
     assert np.isfinite(out[1, :5]).all() and np.isfinite(out[0]).all()
+
+
+@pytest.fixture
+def attention_core_calls(count_core_calls):
+    """Counts the CuPy calls of sparse_mla_attention that leave the memoized launch for
+    the checked path (sparse_mla_attention_core), with the op's memo empty before and
+    after."""
+    from cpsparse import attention
+    attention._SPARSE_CALLS.clear()
+    yield count_core_calls(attention, "sparse_mla_attention_core")
+    attention._SPARSE_CALLS.clear()
+
+
+def _decode_batch(rng, tokens, heads, num_blocks=40):
+    host, rows = flashmla_like_cache(rng, num_blocks)
+    q = flashmla_like_q(rng, (tokens, heads, 576))
+    idx = ragged_indices(rng, tokens, 2048, host.num_slots)
+    return host, rows, q, idx
+
+
+@pytest.mark.parametrize("form", ["split", "one_pass", "raw_4d", "indices_3d", "fp16_q"])
+def test_memoized_launch_in_production_mode(cp, katt, attention_core_calls, form):
+    """Value checks off, a call whose layouts the memo holds is the fp8 kernel's prepared
+    launch (raw_kernels.attention.call_launch: the core is not entered) and gives the bits
+    the checked path gives, on fresh queries and indices in the same layouts: split-KV
+    (B=1, H=128: the combine too) and one pass (70 tokens), the cache as FlashMLA's raw
+    [num_blocks, block_size, 1, 656] array, FlashMLA's [T, 1, topk] indices, float16
+    queries."""
+    rng = np.random.default_rng(len(form))
+    tokens = 70 if form == "one_pass" else 1 if form == "split" else 3
+    host, rows, _, _ = _decode_batch(rng, tokens, 128)
+    units = tokens * -(-128 // katt.HEADS_PER_CTA)
+    from cpsparse import raw_kernels
+    splits = katt.choose_splits(units, 2048 // 64, raw_kernels.device_facts().sms)
+    assert (splits > 1) == (form != "one_pass"), splits
+    dev = cpsparse.MLAKVCache.wrap(cp.asarray(host.data))
+    arg = dev.data.reshape(host.num_blocks, BLOCK, 1, 656) if form == "raw_4d" else dev
+    qdtype = np.float16 if form == "fp16_q" else np.float32
+    previous = cpsparse.set_device_value_checks(False)
+    try:
+        for call in range(3):
+            q = cp.asarray(flashmla_like_q(rng, (tokens, 128, 576)).astype(qdtype))
+            idx = cp.asarray(ragged_indices(rng, tokens, 2048, host.num_slots))
+            if form == "indices_3d":
+                idx = idx.reshape(tokens, 1, 2048)
+            poison_pool(cp)
+            got = sparse_mla_attention(q, arg, idx, SCALE)
+            cpsparse.set_device_value_checks(True)
+            want = sparse_mla_attention(q, dev, idx.reshape(tokens, 2048), SCALE)
+            cpsparse.set_device_value_checks(False)
+            for g, w, what in zip(got, want, ("out", "lse")):
+                assert g.shape == w.shape and g.dtype == w.dtype, (form, what)
+                assert cp.array_equal(g, w).item(), f"{form}: call {call}, {what}"
+        exp = sparse_mla_attention(q.get().astype(np.float32), rows,
+                                   idx.get().reshape(tokens, 2048), SCALE)
+        assert_flashmla_close(got, exp, form)
+    finally:
+        cpsparse.set_device_value_checks(previous)
+    assert len(attention_core_calls) == 1 + 3     # the first (checked) call, the `want`s
+
+
+@pytest.mark.parametrize("case", ["int64_indices", "float64_q", "misaligned_q", "checks_on",
+                                  "kernels_off", "other_device"])
+def test_memoized_launch_steps_aside(cp, attention_core_calls, prepared_elsewhere, case):
+    """The memoized launch is the whole call only where it is the same work: int64 indices
+    and float64 queries (converted first), queries at an address off 16 bytes (the layouts
+    do not say it: copied first), value checks back on, kernels switched off after the
+    memo was filled, another current device than the launch was prepared on: these take
+    the checked path, and still answer right."""
+    from cpsparse import attention
+    rng = np.random.default_rng(11)
+    host, rows, q, idx = _decode_batch(rng, 2, 128)
+    dev = cpsparse.MLAKVCache.wrap(cp.asarray(host.data))
+    qd = cp.asarray(q.astype(np.float64) if case == "float64_q" else q)
+    if case == "misaligned_q":
+        flat = cp.zeros(q.size + 1, cp.float32)
+        qd = flat[1:].reshape(q.shape)
+        qd[...] = cp.asarray(q)
+    idx_d = cp.asarray(idx.astype(np.int64) if case == "int64_indices" else idx)
+    previous = cpsparse.set_device_value_checks(False)
+    try:
+        if case == "misaligned_q":                # the memo filled by aligned queries
+            sparse_mla_attention(cp.asarray(q), dev, idx_d, SCALE)
+        else:
+            sparse_mla_attention(qd, dev, idx_d, SCALE)
+        fills = len(attention_core_calls)
+        if case == "checks_on":
+            cpsparse.set_device_value_checks(True)
+        elif case == "other_device":
+            prepared_elsewhere(attention._SPARSE_CALLS)
+        kernels = cpsparse.set_kernels_enabled(case != "kernels_off")
+        try:
+            got = sparse_mla_attention(qd, dev, idx_d, SCALE)
+        finally:
+            cpsparse.set_kernels_enabled(kernels)
+    finally:
+        cpsparse.set_device_value_checks(previous)
+    assert len(attention_core_calls) == fills + 1, case
+    assert_flashmla_close(got, sparse_mla_attention(q, rows, idx, SCALE), case)

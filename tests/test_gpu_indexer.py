@@ -429,20 +429,12 @@ def test_mxfp4_cache_on_cupy_matches_numpy():
 
 
 @pytest.fixture
-def paged_core_calls(monkeypatch):
+def paged_core_calls(count_core_calls):
     """Counts the CuPy calls of paged_mqa_logits that leave the memoized launch for the
     checked path (paged_mqa_logits_core)."""
     from cpsparse import indexer
-    calls = []
-    real = indexer.paged_mqa_logits_core
-
-    def counted(xp, *a, **kw):
-        if xp is not np:
-            calls.append(1)
-        return real(xp, *a, **kw)
-    monkeypatch.setattr(indexer, "paged_mqa_logits_core", counted)
     indexer._PAGED_CALLS.clear()
-    yield calls
+    yield count_core_calls(indexer, "paged_mqa_logits_core")
     indexer._PAGED_CALLS.clear()
 
 
@@ -510,3 +502,73 @@ def test_paged_memoized_launch_leaves_a_misaligned_view(cp, paged_core_calls, mo
     assert len(paged_core_calls) == 2
     _check(got, ref.paged_mqa_logits(q8, cache.data, 64, w, ctx, table, width),
            "misaligned queries")
+
+
+@pytest.fixture
+def prefill_core_calls(count_core_calls):
+    """Counts the CuPy calls of mqa_logits that leave the memoized launch for the checked
+    path (mqa_logits_core), with the op's memo empty before and after."""
+    from cpsparse import indexer
+    indexer._MQA_CALLS.clear()
+    yield count_core_calls(indexer, "mqa_logits_core")
+    indexer._MQA_CALLS.clear()
+
+
+@pytest.mark.parametrize("form", ["h64", "h32", "scales_n1"])
+def test_prefill_memoized_launch_in_production_mode(cp, prefill_core_calls, form):
+    """Value checks off, an mqa_logits call whose layouts the memo holds is the prefill
+    kernel's prepared launch (raw_kernels.indexer.prefill_call_launch: the core is not
+    entered) and writes the bits the checked path writes, on fresh queries, keys and
+    windows in the same layouts (64 heads: the _h64 kernel; 32: the generic one;
+    quantize_fp8's [N, 1] scales)."""
+    rng = np.random.default_rng(len(form))
+    heads = 32 if form == "h32" else 64
+    previous = cpsparse.set_device_value_checks(False)
+    try:
+        ks, ke, n = _prefill_batch(rng, [(500, 40), (0, 9), (300, 31)])
+        for call in range(3):
+            expect, dev = _prefill_inputs(cp, rng, heads, n, ks, ke)
+            if form == "scales_n1":
+                dev[2] = dev[2].reshape(-1, 1)
+            got = cpsparse.indexer.mqa_logits(*dev)
+            cpsparse.set_device_value_checks(True)
+            want = cpsparse.indexer.mqa_logits(*dev)
+            cpsparse.set_device_value_checks(False)
+            assert cp.array_equal(got, want).item(), f"{form}: call {call}"
+            _check(got, expect, f"{form}: call {call}")
+    finally:
+        cpsparse.set_device_value_checks(previous)
+    assert len(prefill_core_calls) == 1 + 3       # the first (checked) call, then the `want`s
+
+
+@pytest.mark.parametrize("case", ["int64_windows", "misaligned_q", "checks_on"])
+def test_prefill_memoized_launch_steps_aside(cp, prefill_core_calls, monkeypatch, case):
+    """int64 windows (copied to int32 first), queries at an address off 16 bytes (the
+    layouts do not say it: the checked path falls back to the reference, with its
+    warning) and value checks back on take the checked path, and still answer right."""
+    rng = np.random.default_rng(3)
+    ks, ke, n = _prefill_batch(rng, [(700, 20), (0, 12)])
+    if case == "int64_windows":
+        ks, ke = ks.astype(np.int64), ke.astype(np.int64)
+    expect, dev = _prefill_inputs(cp, rng, 64, n, ks, ke)
+    args = list(dev)
+    if case == "misaligned_q":
+        flat = cp.zeros(dev[0].size + 1, cp.uint8)
+        args[0] = flat[1:].reshape(dev[0].shape)
+        args[0][...] = dev[0]
+    previous = cpsparse.set_device_value_checks(False)
+    try:
+        cpsparse.indexer.mqa_logits(*dev)           # fills the memo
+        fills = len(prefill_core_calls)
+        if case == "checks_on":
+            cpsparse.set_device_value_checks(True)
+        if case == "misaligned_q":
+            monkeypatch.setattr(cpsparse._backend, "_FALLBACKS_WARNED", set())
+            with pytest.warns(KernelFallbackWarning, match="mqa_logits"):
+                got = cpsparse.indexer.mqa_logits(*args)
+        else:
+            got = cpsparse.indexer.mqa_logits(*args)
+    finally:
+        cpsparse.set_device_value_checks(previous)
+    assert len(prefill_core_calls) == fills + 1, case
+    _check(got, expect, case)

@@ -473,20 +473,11 @@ def checks_off():
 
 
 @pytest.fixture
-def checked_path(monkeypatch):
+def checked_path(count_core_calls):
     """Counts the CuPy calls that leave the memoized launch for the checked path (the
-    cores; NumPy calls, the tests' references, always go there)."""
+    cores)."""
     from cpsparse import indexer
-    calls = []
-    for name in ("topk_per_row_core", "topk_per_row_decode_core"):
-        real = getattr(indexer, name)
-
-        def counted(xp, *a, _real=real, _name=name, **kw):
-            if xp is not np:
-                calls.append(_name)
-            return _real(xp, *a, **kw)
-        monkeypatch.setattr(indexer, name, counted)
-    return calls
+    return count_core_calls(indexer, "topk_per_row_core", "topk_per_row_decode_core")
 
 
 @pytest.mark.parametrize("form", ["1d", "2d", "slots", "out_none", "rows"])
@@ -530,7 +521,7 @@ def test_memoized_launch_in_production_mode(cp, checks_off, checked_path, form):
 
 @pytest.mark.parametrize("case", ["int64_lens", "block_size_48", "kernels_off", "checks_on",
                                   "other_device"])
-def test_memoized_launch_steps_aside(cp, checks_off, checked_path, case):
+def test_memoized_launch_steps_aside(cp, checks_off, checked_path, prepared_elsewhere, case):
     """The memoized launch is the whole call only where it is the same work: an int64
     ``context_lens`` (copied to int32 first), a page size the kernel does not map (a second
     launch), kernels switched off after the memo was filled, value checks back on (they
@@ -550,10 +541,8 @@ def test_memoized_launch_steps_aside(cp, checks_off, checked_path, case):
     fills = len(checked_path)
     if case == "checks_on":
         cpsparse.set_device_value_checks(True)
-    elif case == "other_device":            # the memo entry says another device prepared it
-        memo = indexer._TOPK_DECODE_CALLS._seen
-        (key, entry), = memo.items()
-        memo[key] = entry[:-1] + ((entry[-1][0] + 1, entry[-1][1]),)
+    elif case == "other_device":
+        prepared_elsewhere(indexer._TOPK_DECODE_CALLS)
     previous = cpsparse.set_kernels_enabled(case != "kernels_off")
     try:
         got = topk_per_row_decode(cp.asarray(logits), dctx, 1, k, out=_poisoned(cp, 4, k),

@@ -235,3 +235,84 @@ def test_ws_decode_launch_arguments_on_both_paths(monkeypatch):
     assert launches[1] == want[:3] + (want[3][:8] + (got,) + want[3][9:],)
     assert run(Arr(q.shape, np.uint8, 0x1001), cache.data, w, ctx, table) is None
     assert len(launches) == 2
+
+
+def test_attention_launch_arguments_on_both_paths(monkeypatch):
+    """The fp8 attention launch of the checked path (sparse_mla_attention -> _launch) and
+    the call memo's prepared one (call_launch) are the same prepared launch (prepare):
+    the same kernel arguments in ATTENTION_ARGS order, then the split-KV combine's in
+    COMBINE_ARGS order (B=1, H=128: split). The prepared launch declines queries or a
+    cache off 16 bytes; call_launch declines what the checked path converts first (CPU:
+    the kernels, allocations and the device faked)."""
+    import numpy as np
+    from cpsparse.raw_kernels import attention as katt
+
+    launches = []
+
+    class Fn:
+        def __init__(self, name):
+            self.name = name
+
+        def launcher(self, grid, block, smem=0):
+            return lambda args: launches.append((self.name, grid, block, smem, args))
+
+    class Ptr:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    class Flags:
+        c_contiguous = True
+
+    class Arr:                                   # a device array: shape, dtype, address
+        flags = Flags()
+
+        def __init__(self, shape, dtype, ptr=0x1000):
+            self.shape, self.dtype, self.ndim = shape, np.dtype(dtype), len(shape)
+            self.data = Ptr(ptr)
+
+    class Facts:
+        sms = 132
+
+    class CP:
+        int32, float16, float32, float64 = (np.dtype(t) for t in
+                                            (np.int32, np.float16, np.float32, np.float64))
+
+    monkeypatch.setattr(katt, "_PLANS", {})
+    monkeypatch.setattr(katt, "_LAUNCHES", {})
+    monkeypatch.setattr(raw_kernels, "kernel", lambda module, name, *a, **k: Fn(name))
+    monkeypatch.setattr(raw_kernels, "empty", lambda cp, shape, dtype: Arr(shape, dtype, 0x9000))
+    monkeypatch.setattr(raw_kernels, "device_facts", lambda: Facts)
+    monkeypatch.setattr(raw_kernels, "current_device", lambda: 0)
+    q, idx = Arr((1, 128, 576), np.float32), Arr((1, 2048), np.int32, 0x2000)
+    data = Arr((40, 64, 656), np.uint8, 0x3000)
+    rows = Arr((40 * 64, 656), np.uint8, 0x3000)
+    out, lse = katt.sparse_mla_attention(CP, q, rows, idx, 0.1, 512, True)
+    dev, run = katt.call_launch(CP, q, data, rows, idx, 0.1, 512)
+    got = run(q, data, idx)
+    assert dev == 0 and [a.shape for a in got] == [(1, 128, 512), (1, 128)]
+    assert out.shape == (1, 128, 512) and lse.shape == (1, 128)
+
+    def plain(launch):                           # arrays by address (a fresh output: 0x9000)
+        return launch[:4] + (tuple(a.data.ptr if isinstance(a, Arr) else a
+                                   for a in launch[4]),)
+    units, splits = 2, katt.choose_splits(2, 2048 // 64, 132)
+    assert splits > 1
+    scale_log2 = float(np.float32(0.1 * np.log2(np.e)))
+    want = [("cps_sparse_mla_fp8", (units * splits,), (katt.WS_THREADS,), katt.SMEM_BYTES,
+             (0x1000, 0, 0x3000, 0x2000, 2048, 2560, None, None, 0x9000, 0x9000, 128, 512,
+              scale_log2, splits, 0x9000, None)),
+            ("cps_mla_combine", (128,), (128,), 0,
+             (0x9000, 0x9000, 0x9000, None, splits, 512, 128))]
+    assert [plain(x) for x in launches] == want + want
+    assert run(Arr(q.shape, np.float32, 0x1004), data, idx) is None
+    assert run(q, Arr(data.shape, np.uint8, 0x3008), idx) is None
+    assert len(launches) == 4
+    f16 = Arr(q.shape, np.float16)
+    katt.call_launch(CP, f16, data, rows, idx, 0.1, 512)[1](f16, data, idx)
+    assert plain(launches[-2])[4][1] == 1                  # q_half
+    for q_, data_, rows_, idx_ in [(Arr(q.shape, np.float64), data, rows, idx),
+                                   (q, data, rows, Arr(idx.shape, np.int64)),
+                                   (q, data, Arr(rows.shape, np.uint8, 0x5000), idx),
+                                   (q, data, Arr((40 * 64, 584), np.uint8, 0x3000), idx),
+                                   (q, data, Arr((0, 656), np.uint8, 0x3000), idx)]:
+        assert katt.call_launch(CP, q_, data_, rows_, idx_, 0.1, 512) is None

@@ -160,32 +160,91 @@ def _plan(tokens, heads, topk, kind, dense, sm_scale, splits):
     return plan
 
 
+_LAUNCHES: dict[Any, Any] = {}
+
+
+def prepare(cp, tokens, heads, topk, fp8, dense, sm_scale, d_v, splits=None):
+    """The fp8 / bf16 rows kernel's launch of one call shape on the current device,
+    memoized: ``run(q, q_half, kv, num_slots, indices, row_start, row_len, sink) ->
+    (out, lse)`` on operands already in the kernel's form (16-byte aligned q and kv,
+    int32 indices or ranges; :func:`_launch` makes them so). The plan (:func:`_plan`),
+    grids and scalars are fixed here; a call allocates out, lse and the split-KV
+    partials, launches the attention kernel and, where the plan splits, the combine.
+    Needs tokens, heads and topk (or the dense ranges) non-empty."""
+    key = (raw_kernels.current_device(), tokens, heads, topk, fp8, dense, sm_scale, d_v,
+           splits)
+    known = _LAUNCHES.get(key)
+    if known is not None:
+        return known
+    units, splits, fn, combine, scale_log2 = _plan(tokens, heads, topk,
+                                                   "fp8" if fp8 else "bf16", dense,
+                                                   sm_scale, splits)
+    launch = fn.launcher((units * splits,), (WS_THREADS,), SMEM_BYTES)
+    merge = None if combine is None else combine.launcher((tokens * heads,), (128,))
+    out_shape, lse_shape = (tokens, heads, d_v), (tokens, heads)
+
+    def run(q, q_half, kv, num_slots, indices, row_start, row_len, sink):
+        out = raw_kernels.empty(cp, out_shape, cp.float32)
+        lse = raw_kernels.empty(cp, lse_shape, cp.float32)
+        part = _partials(cp, tokens, heads, splits, d_v)
+        launch((q, q_half, kv, indices, topk, num_slots, row_start, row_len, out, lse, heads,
+                d_v, scale_log2, splits, part, sink))
+        if merge is not None:
+            merge((part, out, lse, sink, splits, d_v, heads))
+        return out, lse
+    if len(_LAUNCHES) > 1024:
+        _LAUNCHES.clear()
+    _LAUNCHES[key] = run
+    return run
+
+
 def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_scale, d_v,
             splits=None, sink=None):
     tokens, heads, _ = q.shape
-    out = raw_kernels.empty(cp, (tokens, heads, d_v), cp.float32)
-    lse = raw_kernels.empty(cp, (tokens, heads), cp.float32)
-    if tokens == 0 or heads == 0:
-        return out, lse
     topk = 0 if indices is None else indices.shape[1]
-    if indices is not None and topk == 0:   # no key at all (and maybe no buffer
-        out.fill(0)                         # behind indices)
-        lse.fill(-numpy.inf)
+    if tokens == 0 or heads == 0 or (indices is not None and topk == 0):
+        out = raw_kernels.empty(cp, (tokens, heads, d_v), cp.float32)
+        lse = raw_kernels.empty(cp, (tokens, heads), cp.float32)
+        if tokens and heads:                # no key at all (and maybe no buffer behind
+            out.fill(0)                     # indices)
+            lse.fill(-numpy.inf)
         return out, lse
-    units, splits, fn, combine, scale_log2 = _plan(tokens, heads, topk,
-                                                   "fp8" if fp8 else "bf16", indices is None,
-                                                   sm_scale, splits)
+    run = prepare(cp, tokens, heads, topk, fp8, indices is None, sm_scale, d_v, splits)
     qq, q_half = _q_operand(cp, q)
     num_slots = kv.shape[0]                   # every slot outside [0, num_slots) is masked
     if num_slots == 0:                        # every index is -1: never read, but keep
         kv = cp.zeros((1,) + kv.shape[1:], dtype=kv.dtype)   # the pointer valid
-    kv = _aligned(cp, kv)
-    part = _partials(cp, tokens, heads, splits, d_v)
-    fn((units * splits,), (WS_THREADS,),
-       (qq, q_half, kv, indices, topk, num_slots, row_start, row_len, out, lse, heads, d_v,
-        scale_log2, splits, part, sink), shared_mem=SMEM_BYTES)
-    _combine(cp, combine, part, out, lse, sink, splits, d_v, heads)
-    return out, lse
+    return run(qq, q_half, _aligned(cp, kv), num_slots, indices, row_start, row_len, sink)
+
+
+def call_launch(cp, q, data, rows, indices, sm_scale, d_v):
+    """``(device, run)`` for the public op's call memo (see
+    :func:`cpsparse.raw_kernels.topk.call_launch`): the fp8_ds_mla kernel's prepared
+    launch (:func:`prepare`) of this call's shape on the current device, or None where
+    the call takes more than that launch (float64 queries or int64 indices: converted
+    first; dense rows: converted to bf16 first; an empty call or pool; a shape the kernel
+    does not take).
+
+    ``data`` is the cache's own array and ``rows`` its record view [num_slots, 656] (the
+    same bytes: C-contiguous ``data``, else None). ``run(q, data, indices)`` takes arrays
+    of this call's layouts ([T, topk] indices) and returns (out, lse), or None when q or
+    the cache is not 16-byte aligned (a view's offset: the layouts do not say it; the
+    checked path copies them).
+    """
+    tokens, heads, _ = q.shape
+    topk, num_slots = indices.shape[1], rows.shape[0]
+    if not (supports(q.shape, d_v) and supports_rows(rows, True)) or q.dtype == cp.float64 \
+            or indices.dtype != cp.int32 or not tokens * heads * topk * num_slots \
+            or rows.data.ptr != data.data.ptr or not data.flags.c_contiguous:
+        return None
+    run = prepare(cp, tokens, heads, topk, True, False, sm_scale, d_v)
+    q_half = int(q.dtype == cp.float16)
+
+    def run_call(q, data, indices):
+        if q.data.ptr % 16 or data.data.ptr % 16:
+            return None
+        return run(q, q_half, data, num_slots, indices, None, None, None)
+    return raw_kernels.current_device(), run_call
 
 
 def _partials(cp, tokens, heads, splits, d_v):

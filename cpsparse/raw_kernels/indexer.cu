@@ -1209,10 +1209,14 @@ __device__ __forceinline__ void cps_paged_ws_body(
         // ---- producer warpgroup ----
         cps_setmaxnreg_dec<CPS_IDX_WSD_PREGS>();
         const int ptid = tid - CPS_IDX_WS_MATH_THREADS;
-        // Thread ptid moves bytes [16 ptid, +16) of each 2 KB of a stage's codes: key row
-        // 16 it + rr (page it / 4, its key 16 (it % 4) + rr), chunk ptid % 8.
+        // Thread ptid moves bytes [16 ptid, +16) of each 2 KB of a stage's codes (fp8: key
+        // row 16 k + rr of a page, chunk ptid % 8). Its source offsets inside a page are
+        // fixed: a page's copies are one multiply-add off a per-thread base (a missing
+        // page's copies carry page 0's address and size 0: no bytes are read).
         const int rr = ptid >> 3;
-        const u32 dst_off = rr * CPS_IDX_D + (((ptid & 7) ^ (rr & 7)) << 4);
+        const u32 dst_off = FP4 ? ptid * 16 : rr * CPS_IDX_D + (((ptid & 7) ^ (rr & 7)) << 4);
+        const u8* const code_src = cache + (FP4 ? ptid * 16 : rr * CPS_IDX_D + (ptid & 7) * 16);
+        const u8* const scale_src = cache + CPS_IDX_TILE * KB + (ptid & 63) * 4;
         unsigned kv = 0;
         for (int it = 0;; ++it) {
             const int item = (int)blockIdx.x + it * (int)gridDim.x;
@@ -1301,40 +1305,25 @@ __device__ __forceinline__ void cps_paged_ws_body(
 #pragma unroll
                 for (int pq = 0; pq < 4; ++pq)
                     pg[pq] = t0 + pq * CPS_IDX_TILE < t_hi ? s_bt[4 * j + pq] : -1;
-                const u32 kdst = sbase + L::OFF_K + st * L::SLOT;
-                if constexpr (!FP4) {
+                const u32 kdst = sbase + L::OFF_K + st * L::SLOT + dst_off;
+                // fp8: 4 copies a page (its key rows 16 k + rr); MXFP4: a page's 4 KB of
+                // packed codes, unswizzled (key r at 64 r), page pq at 4 KB pq of the slot.
+                constexpr int PER_PAGE = CPS_IDX_TILE * KB / 2048;
 #pragma unroll
-                    for (int r = 0; r < CPS_IDX_WS_KEYS / 16; ++r) {
-                        const int pq = r >> 2;
-                        const bool valid = pg[pq] >= 0;
-                        const u8* src = valid ? cache + pg[pq] * PAGE_BYTES
-                                                + (16 * (r & 3) + rr) * CPS_IDX_D + (ptid & 7) * 16
-                                              : cache;
-                        cps_cp_async16(kdst + r * 2048 + dst_off, src, valid);
-                    }
-                } else {
-                    // A page's 4 KB of packed codes, unswizzled (key r at 64 r), page pq at
-                    // 4 KB pq of the slot.
+                for (int pq = 0; pq < 4; ++pq) {
+                    const bool valid = pg[pq] >= 0;
+                    const u8* src = code_src + (size_t)(u32)(valid ? pg[pq] : 0) * PAGE_BYTES;
 #pragma unroll
-                    for (int r = 0; r < CPS_IDX_WS_KEYS * KB / 2048; ++r) {
-                        const int pq = r >> 1;
-                        const bool valid = pg[pq] >= 0;
-                        const u8* src = valid ? cache + pg[pq] * PAGE_BYTES + (r & 1) * 2048
-                                                + ptid * 16
-                                              : cache;
-                        cps_cp_async16(kdst + r * 2048 + ptid * 16, src, valid);
-                    }
+                    for (int k = 0; k < PER_PAGE; ++k)
+                        cps_cp_async16(kdst + (PER_PAGE * pq + k) * 2048, src + k * 2048, valid);
                 }
-                const u32 sdst = sbase + L::OFF_KS + st * (CPS_IDX_WS_KEYS * 4);
+                const u32 sdst = sbase + L::OFF_KS + st * (CPS_IDX_WS_KEYS * 4) + ptid * 4;
 #pragma unroll
                 for (int r = 0; r < CPS_IDX_WS_KEYS / 128; ++r) {
-                    const int key = 128 * r + ptid;
                     const int page = ptid < 64 ? pg[2 * r] : pg[2 * r + 1];  // (not pg[key >> 6]:
                     const bool valid = page >= 0;                          // a local-memory array)
-                    const void* src = valid ? cache + page * PAGE_BYTES
-                                              + (long long)CPS_IDX_TILE * KB + (key & 63) * 4
-                                            : (const void*)cache;
-                    cps_cp_async4(sdst + key * 4, src, valid);
+                    cps_cp_async4(sdst + 512 * r,
+                                  scale_src + (size_t)(u32)(valid ? page : 0) * PAGE_BYTES, valid);
                 }
                 cps_mbar_arrive_cp_async(kfull + 8 * st);
                 if (ptid == 0) {

@@ -139,10 +139,53 @@ def _round8(h):
     return -(-int(h) // 8) * 8
 
 
+def _prefill_shape(q_codes):
+    return q_codes.shape[2] == D and _round8(q_codes.shape[1]) <= 128
+
+
 def supports_prefill(q_codes, k_codes):
     """True when the prefill kernel covers these queries and keys (else None's reason)."""
-    return (q_codes.shape[2] == D and _round8(q_codes.shape[1]) <= 128
-            and _aligned(q_codes, k_codes))
+    return _prefill_shape(q_codes) and _aligned(q_codes, k_codes)
+
+
+_PREFILL_LAUNCHES: dict[Any, Any] = {}
+
+
+def prepare_prefill(cp, m, n, heads, path=None, ctas=None):
+    """The prefill kernel's launch of one shape (m queries of ``heads`` heads over n keys,
+    both non-zero) on the current device, memoized: ``run(q_codes, k_codes, k_scales,
+    weights, ks, ke, out) -> out`` (int32 windows; ``out`` allocated when None). The path,
+    grid and scalars are fixed here (see :func:`mqa_logits` for ``path`` and ``ctas``)."""
+    path = _pick_path(path)
+    if ctas is not None and int(ctas) < 1:
+        raise ValueError(f"Invalid ctas: expected a positive CTA count, got {ctas}")
+    key = (raw_kernels.current_device(), m, n, heads, path, ctas)
+    known = _PREFILL_LAUNCHES.get(key)
+    if known is not None:
+        return known
+    hp = _round8(heads)
+    nblocks = -(-m // (128 // hp))
+    if path == "wgmma":
+        # Persistent: one CTA an SM over the query blocks (warp-specialized kernel).
+        smem = ws_smem_bytes()
+        fn = _kernel("cps_mqa_logits_ws_h64" if hp == 64 else "cps_mqa_logits_ws", MQA_ARGS, smem)
+        grid = min(nblocks, raw_kernels.device_facts().sms if ctas is None else int(ctas))
+        launch = fn.launcher((grid,), (WS_THREADS,), smem)
+    else:
+        smem = smem_bytes(128)                     # mma.sync: a CTA a query block
+        fn = _kernel("cps_mqa_logits_mma", MQA_ARGS, smem)
+        launch = fn.launcher((nblocks,), (THREADS,), smem)
+    shape = (m, n)
+
+    def run(q_codes, k_codes, k_scales, weights, ks, ke, out):
+        if out is None:
+            out = raw_kernels.empty(cp, shape, cp.float32)
+        launch((q_codes, k_codes, k_scales, weights, ks, ke, out, m, n, heads, hp, nblocks))
+        return out
+    if len(_PREFILL_LAUNCHES) > 1024:
+        _PREFILL_LAUNCHES.clear()
+    _PREFILL_LAUNCHES[key] = run
+    return run
 
 
 def mqa_logits(cp, q_codes, k_codes, k_scales, weights, ks, ke, out=None, path=None,
@@ -160,25 +203,32 @@ def mqa_logits(cp, q_codes, k_codes, k_scales, weights, ks, ke, out=None, path=N
     if m == 0 or n == 0:
         out.fill(-numpy.inf)
         return out
-    hp = _round8(heads)
-    ks, ke = index_i32(cp, ks), index_i32(cp, ke)
-    rows = 128 // hp
-    nblocks = -(-m // rows)
-    args = (q_codes, k_codes, k_scales, weights, ks, ke, out, m, n, heads, hp, nblocks)
-    path = _pick_path(path)
-    if path == "wgmma":
-        # Persistent: one CTA an SM over the query blocks (warp-specialized kernel).
-        if ctas is not None and int(ctas) < 1:
-            raise ValueError(f"Invalid ctas: expected a positive CTA count, got {ctas}")
-        smem = ws_smem_bytes()
-        fn = _kernel("cps_mqa_logits_ws_h64" if hp == 64 else "cps_mqa_logits_ws", MQA_ARGS, smem)
-        grid = min(nblocks, raw_kernels.device_facts().sms if ctas is None else int(ctas))
-        fn((grid,), (WS_THREADS,), args, shared_mem=smem)
-        return out
-    smem = smem_bytes(128)                         # mma.sync: a CTA a query block
-    fn = _kernel("cps_mqa_logits_mma", MQA_ARGS, smem)
-    fn((nblocks,), (THREADS,), args, shared_mem=smem)
-    return out
+    run = prepare_prefill(cp, m, n, heads, path, ctas)
+    return run(q_codes, k_codes, k_scales, weights, index_i32(cp, ks), index_i32(cp, ke), out)
+
+
+def prefill_call_launch(cp, q_codes, k_codes, k_scales, ks, ke):
+    """``(device, run)`` for :func:`cpsparse.indexer.mqa_logits`'s call memo (see
+    :func:`cpsparse.raw_kernels.topk.call_launch`): the prefill kernel's prepared launch
+    (:func:`prepare_prefill`) of this call's shape on the current device, or None where
+    the call takes more than that launch (int64 windows: copied to int32 first; MXFP4
+    keys: the reference; an empty output; a shape the kernel does not take).
+
+    ``run(q_codes, k_codes, k_scales, weights, ks, ke)`` returns the new logits, or None
+    when the queries or keys are not 16-byte aligned (the checked path falls back to the
+    reference, with its warning).
+    """
+    m, n = q_codes.shape[0], k_codes.shape[0]
+    if not m or not n or not _prefill_shape(q_codes) or k_scales.dtype != cp.float32 \
+            or q_codes.dtype != cp.uint8 or ks.dtype != cp.int32 or ke.dtype != cp.int32:
+        return None
+    run = prepare_prefill(cp, m, n, q_codes.shape[1])
+
+    def run_call(q_codes, k_codes, k_scales, weights, ks, ke):
+        if q_codes.data.ptr % 16 or k_codes.data.ptr % 16:
+            return None
+        return run(q_codes, k_codes, k_scales, weights, ks, ke, None)
+    return raw_kernels.current_device(), run_call
 
 
 def decode_plan(batch, next_n, heads, width, block_size, sms, smem_per_sm, stages=DECODE_STAGES,
