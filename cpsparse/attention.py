@@ -236,13 +236,6 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
         # A raw fp8_ds_mla array is found again by its latent width (the layout
         # checks passed), a dense workspace by None.
         lora = source.kv_lora_rank if isinstance(source, MLAKVCache) else None
-        # fp8_ds_mla records (not MODEL1's pages, not dense rows): the kernel's launch,
-        # prepared once (the call then costs a launch or two: a decode loop's eager
-        # attention is bound by host time).
-        launch = _katt.call_launch(xp, q, data, source.records(), indices, sm_scale, d_v) \
-            if _backend.use_kernels(xp) and isinstance(source, MLAKVCache) \
-            and not isinstance(source, Model1KVCache) else None
-        _SPARSE_CALLS.put(key, (xp, d_v, sm_scale, lora, launch))
     else:                                  # the same layouts passed the checks above
         xp, d_v, sm_scale, lora, launch = hit
         if indices.ndim == 3:
@@ -255,6 +248,14 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
         source = kv_cache if wrapped is not None or lora is None else MLAKVCache.trusted_view(
             data, lora, q.shape[2] - lora, xp)
     V.check_slots(xp, indices, _num_slots(source), name="indices")
+    if hit is None:
+        # fp8_ds_mla records (not MODEL1's pages, not dense rows): the kernel's launch,
+        # prepared once, after every check (the call then costs a launch or two: a decode
+        # loop's eager attention is bound by host time).
+        launch = _katt.call_launch(xp, q, data, source.records(), indices, sm_scale, d_v) \
+            if _backend.use_kernels(xp) and isinstance(source, MLAKVCache) \
+            and not isinstance(source, Model1KVCache) else None
+        _SPARSE_CALLS.put(key, (xp, d_v, sm_scale, lora, launch))
     return sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v)
 
 

@@ -251,13 +251,14 @@ def mqa_logits(q_codes: Array, k_codes: Array, k_scales: Array, weights: Array, 
     _check_heads(q_codes, weights, m)
     V.check_index("ks", ks, shape=(m,), shape_desc="[M]")
     V.check_index("ke", ke, shape=(m,), shape_desc="[M]")
+    V.check_windows(xp, ks, ke, n)
     if hit is None:
-        # The prefill kernel's launch, prepared once: a hit with value checks off is that
-        # launch (the structural checks above are the layouts'; the kernel clamps windows).
+        # The prefill kernel's launch, prepared once, after every check: a hit with value
+        # checks off is that launch (the structural checks above are the layouts'; the
+        # kernel clamps windows).
         launch = _kindexer.prefill_call_launch(xp, q_codes, k_codes, k_scales, ks, ke) \
             if _backend.use_kernels(xp) else None
         _MQA_CALLS.put(key, (xp, launch))
-    V.check_windows(xp, ks, ke, n)
     return mqa_logits_core(xp, q_codes, k_codes, k_scales, weights, ks, ke)
 
 

@@ -280,7 +280,11 @@ def test_attention_launch_arguments_on_both_paths(monkeypatch):
     monkeypatch.setattr(katt, "_PLANS", {})
     monkeypatch.setattr(katt, "_LAUNCHES", {})
     monkeypatch.setattr(raw_kernels, "kernel", lambda module, name, *a, **k: Fn(name))
-    monkeypatch.setattr(raw_kernels, "empty", lambda cp, shape, dtype: Arr(shape, dtype, 0x9000))
+    fresh = iter(range(0x10000, 0x20000, 0x100))   # a distinct address an allocation
+
+    def empty(cp, shape, dtype):
+        return Arr(shape, dtype, next(fresh))
+    monkeypatch.setattr(raw_kernels, "empty", empty)
     monkeypatch.setattr(raw_kernels, "device_facts", lambda: Facts)
     monkeypatch.setattr(raw_kernels, "current_device", lambda: 0)
     q, idx = Arr((1, 128, 576), np.float32), Arr((1, 2048), np.int32, 0x2000)
@@ -292,18 +296,24 @@ def test_attention_launch_arguments_on_both_paths(monkeypatch):
     assert dev == 0 and [a.shape for a in got] == [(1, 128, 512), (1, 128)]
     assert out.shape == (1, 128, 512) and lse.shape == (1, 128)
 
-    def plain(launch):                           # arrays by address (a fresh output: 0x9000)
+    def plain(launch):                           # arrays by address; fresh ones by order
         return launch[:4] + (tuple(a.data.ptr if isinstance(a, Arr) else a
                                    for a in launch[4]),)
+    # each call allocates out, lse, then the partials: 0x10000 + 0x100 * (3 call + i)
+    assert [a.data.ptr for a in (out, lse)] == [0x10000, 0x10100]
+    assert [a.data.ptr for a in got] == [0x10300, 0x10400]
     units, splits = 2, katt.choose_splits(2, 2048 // 64, 132)
     assert splits > 1
     scale_log2 = float(np.float32(0.1 * np.log2(np.e)))
-    want = [("cps_sparse_mla_fp8", (units * splits,), (katt.WS_THREADS,), katt.SMEM_BYTES,
-             (0x1000, 0, 0x3000, 0x2000, 2048, 2560, None, None, 0x9000, 0x9000, 128, 512,
-              scale_log2, splits, 0x9000, None)),
-            ("cps_mla_combine", (128,), (128,), 0,
-             (0x9000, 0x9000, 0x9000, None, splits, 512, 128))]
-    assert [plain(x) for x in launches] == want + want
+
+    def want(call):                              # call 0: the checked path, 1: the memo's
+        out, lse, part = (0x10000 + 0x100 * (3 * call + i) for i in range(3))
+        return [("cps_sparse_mla_fp8", (units * splits,), (katt.WS_THREADS,), katt.SMEM_BYTES,
+                 (0x1000, 0, 0x3000, 0x2000, 2048, 2560, None, None, out, lse, 128, 512,
+                  scale_log2, splits, part, None)),
+                ("cps_mla_combine", (128,), (128,), 0,
+                 (part, out, lse, None, splits, 512, 128))]
+    assert [plain(x) for x in launches] == want(0) + want(1)
     assert run(Arr(q.shape, np.float32, 0x1004), data, idx) is None
     assert run(q, Arr(data.shape, np.uint8, 0x3008), idx) is None
     assert len(launches) == 4

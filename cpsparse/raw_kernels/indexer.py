@@ -157,7 +157,9 @@ def prepare_prefill(cp, m, n, heads, path=None, ctas=None):
     weights, ks, ke, out) -> out`` (int32 windows; ``out`` allocated when None). The path,
     grid and scalars are fixed here (see :func:`mqa_logits` for ``path`` and ``ctas``)."""
     path = _pick_path(path)
-    if ctas is not None and int(ctas) < 1:
+    if path != "wgmma":
+        ctas = None                                # (the mma path's grid is the blocks)
+    elif ctas is not None and int(ctas) < 1:
         raise ValueError(f"Invalid ctas: expected a positive CTA count, got {ctas}")
     key = (raw_kernels.current_device(), m, n, heads, path, ctas)
     known = _PREFILL_LAUNCHES.get(key)
