@@ -178,6 +178,25 @@ def test_launcher_fixes_the_launch_and_keeps_its_kernel(monkeypatch):
     assert struct.unpack("<Qi4x", fn._buffer.raw) == (0, 9)
 
 
+class _Ptr:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class _Flags:
+    c_contiguous = True
+
+
+class _FakeArray:
+    """A device array as the launchers see it: shape, dtype, address (C-contiguous)."""
+    flags = _Flags()
+
+    def __init__(self, shape, dtype, ptr=0x1000):
+        import numpy as np
+        self.shape, self.dtype, self.ndim = shape, np.dtype(dtype), len(shape)
+        self.data = _Ptr(ptr)
+
+
 def test_ws_decode_launch_arguments_on_both_paths(monkeypatch):
     """The warp-specialized decode launch of the checked path (_paged_ws) and the call
     memo's prepared one (call_launch) pass the kernel the same arguments in
@@ -192,14 +211,7 @@ def test_ws_decode_launch_arguments_on_both_paths(monkeypatch):
         def launcher(self, grid, block, smem):
             return lambda args: launches.append((grid, block, smem, args))
 
-    class Ptr:
-        def __init__(self, ptr):
-            self.ptr = ptr
-
-    class Arr:                                   # a device array: shape, dtype, address
-        def __init__(self, shape, dtype, ptr=0x1000):
-            self.shape, self.dtype, self.ndim = shape, np.dtype(dtype), len(shape)
-            self.data = Ptr(ptr)
+    Arr = _FakeArray
 
     class Cache:
         dtype, block_size, num_blocks = "fp8", 64, 40
@@ -256,19 +268,7 @@ def test_attention_launch_arguments_on_both_paths(monkeypatch):
         def launcher(self, grid, block, smem=0):
             return lambda args: launches.append((self.name, grid, block, smem, args))
 
-    class Ptr:
-        def __init__(self, ptr):
-            self.ptr = ptr
-
-    class Flags:
-        c_contiguous = True
-
-    class Arr:                                   # a device array: shape, dtype, address
-        flags = Flags()
-
-        def __init__(self, shape, dtype, ptr=0x1000):
-            self.shape, self.dtype, self.ndim = shape, np.dtype(dtype), len(shape)
-            self.data = Ptr(ptr)
+    Arr = _FakeArray
 
     class Facts:
         sms = 132
