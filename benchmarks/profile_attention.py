@@ -10,9 +10,14 @@ substitution in the module source, never written to disk) and times the
 difference to ``base`` is what that part adds to the critical path:
 
 - ``nommas``: no QK^T and no PV wgmma (the producer and the softmax remain);
-- ``noqk`` / ``nopv``: one of the two products removed;
+- ``noqk`` / ``nopv``: one of the two products removed (QK^T: math warpgroup 0's;
+  P V: both warpgroups' halves);
 - ``nodeq``: the e4m3 -> bf16 conversion replaced by a copy of the codes;
-- ``localslots``: every row reads one of 64 records (L1/L2 hits, no HBM traffic).
+- ``localslots``: every row reads one of 64 records (L1/L2 hits, no HBM traffic);
+- ``noprod``: the producer loads, dequantizes and stores nothing (it keeps the slots,
+  the validity flags and the barriers): the math side alone;
+- ``prodonly_nodeq`` / ``prodonly_local``: ``nommas`` with ``nodeq`` / ``localslots``
+  (the producer alone without its arithmetic / without HBM latency).
 
 The outputs of the variants are wrong by construction; only the times mean something.
 Results: stdout and ``$OUT/profile_attention.json`` when set.
@@ -30,8 +35,8 @@ removed), ``noscale`` (the scale taken as 1, not from the row's scale word),
 
 ``trace`` (``python3 -m benchmarks.profile_attention trace``) instead records, in the
 first CTAs of one B=128 call, the SM clock (``clock64``) at five points of every tile:
-the producer's loop top, after its EMPTY wait, before its FULL arrive; the math
-warpgroups after their FULL wait and before their EMPTY arrive. It prints the median
+the producer's loop top, after its EMPTY wait, before its FULL arrive; math warpgroup 0
+(the one that waits for FULL) after its FULL wait and after its P V. It prints the median
 cycles a tile of each side's work and of each wait (which side waits for which), the
 numbers the ablations only infer. The traced kernel is the base kernel plus those
 stores (a few cycles a tile); its output is right.
@@ -45,18 +50,39 @@ from benchmarks import harness
 
 # (variant, [(text in attention.cu, replacement)]); tests/test_profile_attention.py checks
 # every text still occurs exactly once, so the tool cannot silently time the base kernel.
+# The fp8 decode kernel's products (att_dec_wg0 / att_dec_wg1: QK^T, then each
+# warpgroup's half of P V), under a guard ptxas cannot fold (w.nk is never negative; a
+# product under `if (0)` may take its consumers with it); _QK / _PV are att_consume's
+# (the MODEL1 kernel's).
+_DEC_QK = ("            att_pp_qk<0, D / 64, true>(s, sq, sk);\n",
+           "            if (w.nk < 0) att_pp_qk<0, D / 64, true>(s, sq, sk);\n")
+_DEC_PV0 = ("            att_pp_pv_regs(st.o, pk, sk, 0);\n",
+            "            if (w.nk < 0) att_pp_pv_regs(st.o, pk, sk, 0);\n")
+_DEC_PV1 = ("            att_pp_pv_smem(st.o, sp, sk, 1);\n",
+            "            if (w.nk < 0) att_pp_pv_smem(st.o, sp, sk, 1);\n")
 _QK = ("    for (int ks = 0; ks < KSTEPS; ++ks) {", "    for (int ks = 0; ks < 0; ++ks) {")
 _PV = ("        att_wgmma_m64n256_kmn(st.o, cps_wgmma_desc(sp + ks * 32, 16, 1024),",
        "        if (0) att_wgmma_m64n256_kmn(st.o, cps_wgmma_desc(sp + ks * 32, 16, 1024),")
 _DQ = "__device__ __forceinline__ void att_dequant4(u32 w, float scale, u32& out01, u32& out23) {"
+_NODEQ = (_DQ, _DQ + " out01 = w; out23 = w ^ __float_as_uint(scale); return;")
+_LOCAL = ("    const int slot = irow != nullptr ? __ldg(irow + j) : rbase + j;",
+          "    const int slot = irow != nullptr ? (j & 63) : rbase + j;")
 VARIANTS = {
     "base": [],
-    "nommas": [_QK, _PV],
-    "noqk": [_QK],
-    "nopv": [_PV],
-    "nodeq": [(_DQ, _DQ + " out01 = w; out23 = w ^ __float_as_uint(scale); return;")],
-    "localslots": [("    const int slot = irow != nullptr ? __ldg(irow + j) : rbase + j;",
-                    "    const int slot = irow != nullptr ? (j & 63) : rbase + j;")],
+    "nommas": [_DEC_QK, _DEC_PV0, _DEC_PV1],
+    "noqk": [_DEC_QK],
+    "nopv": [_DEC_PV0, _DEC_PV1],
+    "nodeq": [_NODEQ],
+    "localslots": [_LOCAL],
+    "noprod": [("    att_load_pass(a, kv, slot, 0, lane);\n", ""),
+               ("        att_load_pass(b, kv, slot, 8, lane);\n", ""),
+               ("        att_copy_rope(kv, slot, sk, row0, lane);\n", ""),
+               ("        att_store_pass(a, sk, row0, lane);\n", ""),
+               ("        att_prefetch_record(kv, ahead, lane >> 4);\n", ""),
+               ("        att_load_pass(a, kv, next, 0, lane);\n", ""),
+               ("        att_store_pass(b, sk, row0 + 8, lane);\n", "")],
+    "prodonly_nodeq": [_DEC_QK, _DEC_PV0, _DEC_PV1, _NODEQ],
+    "prodonly_local": [_DEC_QK, _DEC_PV0, _DEC_PV1, _LOCAL],
 }
 SHAPES = [(128, 1, 128), (64, 2, 64), (8, 1, 128), (1, 1, 128)]   # (B, s_q, H)
 CTX, TOPK = 32768, 2048
@@ -106,8 +132,9 @@ PREFILL_VARIANTS = {
              "    att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);\n    AttRows st;\n"
              "    att_rows_init(st);\n    st.m0 = ATT_PP_MAX_INIT;")],
     # (a guard the compiler cannot fold: with O never read, ptxas drops the P V products)
-    "nowrite": [("    att_write_rows(st, w, base + ATT_OFF_L,",
-                 "    if (d_v == -1) att_write_rows(st, w, base + ATT_OFF_L,")],
+    "nowrite": [("    att_write_rows(st, w, base + ATT_OFF_L, out, lse, part_out, H, d_v, splits, wg,",
+                 "    if (d_v == -1) att_write_rows(st, w, base + ATT_OFF_L, out, lse, part_out, H,"
+                 " d_v, splits, wg,")],
 }
 PREFILL_SHAPES = [(4096, 128), (4096, 64)]          # (T, H); 8192 rows, top-k 2048
 PREFILL_ROWS = 8192
@@ -136,18 +163,19 @@ TRACE = [
     ("        att_store_pass(b, sk, row0 + 8, lane);\n"
      "        cps_cp_async_wait_all();\n"
      "        cps_fence_proxy_async();                  // stores -> the async proxy (wgmma)\n"
-     "        att_bar_arrive(ATT_BAR_FULL + buf, ATT_WS_THREADS);\n",
+     "        att_bar_arrive(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);\n",
      "        att_store_pass(b, sk, row0 + 8, lane);\n"
      "        cps_cp_async_wait_all();\n"
      "        cps_fence_proxy_async();                  // stores -> the async proxy (wgmma)\n"
      "        if (p == 0) att_trace_at(2, t - t_first);\n"
-     "        att_bar_arrive(ATT_BAR_FULL + buf, ATT_WS_THREADS);\n"),
-    ("        att_bar_sync(ATT_BAR_FULL + buf, ATT_WS_THREADS);\n",
-     "        att_bar_sync(ATT_BAR_FULL + buf, ATT_WS_THREADS);\n"
-     "        if (tid == 0) att_trace_at(3, it - w.t_first);\n"),
-    ("        if (it + 2 < w.t_end) att_bar_arrive(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);\n",
-     "        if (tid == 0) att_trace_at(4, it - w.t_first);\n"
-     "        if (it + 2 < w.t_end) att_bar_arrive(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);\n"),
+     "        att_bar_arrive(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);\n"),
+    # math warpgroup 0 (thread 0): after its FULL wait, after its P V
+    ("            att_bar_sync(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);\n",
+     "            att_bar_sync(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);\n"
+     "            if (tid == 0) att_trace_at(3, it - w.t_first);\n"),
+    ("            att_pp_pv_regs(st.o, pk, sk, 0);\n            cps_wgmma_wait<0>();\n",
+     "            att_pp_pv_regs(st.o, pk, sk, 0);\n            cps_wgmma_wait<0>();\n"
+     "            if (tid == 0) att_trace_at(4, it - w.t_first);\n"),
 ]
 
 

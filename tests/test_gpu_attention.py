@@ -145,6 +145,35 @@ def test_sparse_fp8_cache(cp, katt, heads, topk, tokens):
     check_kernel(cp, lambda: sparse_mla_attention(q_d, dev, idx_d, SCALE), exp)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sparse_fp8_masked_tiles(cp, katt, splits):
+    """The fp8 decode schedule does not skip a tile with no valid key (its P is 0, the
+    running max passes through): masked tiles first, between valid ones and last, a row
+    whose only key is the last of its partial last tile, a row with no valid key, and
+    every other tile masked; with one split and three (a split may then start, or be
+    made only of, masked tiles)."""
+    rng = np.random.default_rng(17 + splits)
+    num_blocks, tokens, heads, topk = 70, 6, 128, 8 * 64 + 7      # 9 tiles, last partial
+    records = exact_fp8_records(rng, num_blocks * BLOCK)
+    host = cpsparse.MLAKVCache.wrap(records.reshape(num_blocks, BLOCK, -1))
+    dev = cpsparse.MLAKVCache.wrap(cp.asarray(host.data))
+    n = host.num_slots
+    q = bf16_normal(rng, (tokens, heads, 576))
+    idx = rng.integers(0, n, (tokens, topk)).astype(np.int32)
+    idx[0, :192] = -1                                 # tiles 0-2
+    idx[1, 128:320] = -1                              # tiles 2-4, between valid ones
+    idx[2, 448:] = -1                                 # tiles 7-8
+    idx[3, :-1] = -1                                  # one key, the very last
+    idx[4, :] = -1                                    # none
+    for t in range(0, 9, 2):
+        idx[5, 64 * t:64 * t + 64] = -1               # tiles 0, 2, 4, 6, 8
+    exp = sparse_mla_attention(q, host, idx, SCALE)
+    q_d, idx_d = cp.asarray(q), cp.asarray(idx)
+    covered(katt, q_d, dev.records(), fp8=True)
+    check_kernel(cp, lambda: katt.sparse_mla_attention(cp, q_d, dev.records(), idx_d, SCALE, 512,
+                                                       True, splits=splits), exp)
+
+
 def test_sparse_fp8_arbitrary_inputs(cp, katt):
     """float32 q and latents through the cache's own quantizer; full rows of 2048 keys.
 

@@ -18,15 +18,19 @@
 //     the producer reads the records (one warp load = 512 contiguous code bytes of
 //     one record), dequantizes them (e4m3 code * scale -> bf16; RoPE bf16 as is, by
 //     cp.async) and hands each buffer over through named barriers, so the
-//     dequantization overlaps the MMAs; the math warpgroups (att_consume) share each
-//     tile: S = Q K^T by wgmma m64n32k16 (warpgroup w owns keys 32w..32w+31), online
-//     softmax with the row max exchanged through shared memory, O += P V (V = first
-//     512 columns of the same rows; warpgroup w owns output columns 256w..256w+255,
-//     all 64 heads; P from shared memory).
+//     dequantization overlaps the MMAs. The fp8 kernel's math warpgroups run
+//     FlashMLA's decode schedule ("the fp8 decode schedule" below): warpgroup 0 owns
+//     S = Q K^T of the whole tile (wgmma m64n64k16) and the softmax, warpgroup 1 only
+//     P V; each owns 256 output columns (V = first 512 columns of the same rows, all
+//     64 heads). MODEL1's (att_consume) share each tile: S = Q K^T by wgmma m64n32k16
+//     (warpgroup w owns keys 32w..32w+31), online softmax with the row max exchanged
+//     through shared memory, O += P V (warpgroup w owns output columns
+//     256w..256w+255; P from shared memory).
 // Softmax in base 2 (sm_scale * log2 e folded in). Masked keys (-1 / past the row's
 // length / outside [0, num_slots)) are zero-filled, never read, and get p = 0; a fully
-// masked tile (a pair, in the ping-pong kernel) is skipped; a row with no valid key
-// ends with out = 0 and lse = -inf. lse is returned in natural log.
+// masked tile is skipped by MODEL1's schedule (a pair, in the ping-pong kernel), not by
+// the fp8 decode's (its P is 0); a row with no valid key ends with out = 0 and
+// lse = -inf. lse is returned in natural log.
 //
 // Shared-memory tiles use the 128-byte swizzle of wgmma (K-major, 8-row x
 // 128-byte atoms, 16-byte chunk c of row r at chunk c ^ (r & 7)): a [64 x 576]
@@ -54,7 +58,8 @@ static_assert(ATT_REC_BYTES == 512 + 4 * 4 + 2 * 64, "fp8_ds_mla: codes, 4 scale
 #define ATT_OFF_P 221184            // [64 x 64] bf16 probabilities
 #define ATT_OFF_MAX 229376          // float [2][64] partial row max
 #define ATT_OFF_L 229888            // float [2][64] partial row sum
-#define ATT_OFF_VALID 230400        // int [2][64] key validity of the two tiles
+#define ATT_OFF_VALID 230400        // key validity of the two tiles: int [2][64] (MODEL1),
+                                    // u64 [2] (the fp8 decode), u64 [2][2] (ping-pong)
 #define ATT_SMEM_USED (ATT_OFF_VALID + 2 * 64 * 4)
 static_assert(ATT_SMEM_USED + 1024 == ATT_SMEM_BYTES,
               "the launcher's ATT_SMEM_BYTES must be the tile layout + 1024 bytes of "
@@ -223,6 +228,9 @@ __device__ __forceinline__ float att_ld_f32(u32 addr) {
     asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
     return v;
 }
+__device__ __forceinline__ void att_st_u16(u32 addr, u32 v) {
+    asm volatile("st.shared.u16 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
+}
 __device__ __forceinline__ void att_st_s32(u32 addr, int v) {
     asm volatile("st.shared.s32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
 }
@@ -254,12 +262,15 @@ __device__ __forceinline__ int att_slot(const int* __restrict__ irow, int rbase,
 // overlaps the MMAs.
 // Barrier 0 (__syncthreads) is never used after the roles split:
 //   ATT_BAR_MATH       the 256 math threads (row max / sum exchange, Q ready);
-//   ATT_BAR_FULL + b   K buffer b stored (producer arrives, math threads wait);
+//   ATT_BAR_FULL + b   K buffer b stored (producer arrives, math threads wait: both
+//                      math warpgroups in att_consume, warpgroup 0 alone in the fp8
+//                      decode, ATT_DEC_FULL_THREADS);
 //   ATT_BAR_EMPTY + b  K buffer b read (math threads arrive, producer waits).
 #define ATT_BAR_MATH 1
 #define ATT_BAR_FULL 2
 #define ATT_BAR_EMPTY 4
 #define ATT_MATH_THREADS 256
+#define ATT_DEC_FULL_THREADS 256   // FULL of the fp8 decode: producer + math warpgroup 0
 static_assert(ATT_WS_THREADS == ATT_MATH_THREADS + 128, "two math warpgroups + one producer");
 
 // Not the .aligned forms (bar.sync / bar.arrive): the producer reaches them after
@@ -370,7 +381,9 @@ __device__ __forceinline__ void att_prefetch_record(const u8* __restrict__ kv, i
 // The producer warpgroup: warp pw (0..3) owns rows 16 pw..16 pw+15 of every tile of
 // the share, in two passes of 8 rows; one pass is in flight while the other is
 // dequantized, and records three tiles ahead are pulled into L2. Lane l (and l + 16)
-// holds the slot of row 16 pw + l % 16.
+// holds the slot of row 16 pw + l % 16. Each warp writes its 16 bits of the tile's key
+// mask (a u64 at ATT_OFF_VALID + 8 buf, bit r: row r valid) before FULL, which it
+// shares with math warpgroup 0 only (the fp8 decode schedule).
 __device__ __forceinline__ void att_produce_fp8(const u8* __restrict__ kv,
                                                 const int* __restrict__ irow, int nk_end,
                                                 int num_slots, int t_first, int t_end,
@@ -389,14 +402,17 @@ __device__ __forceinline__ void att_produce_fp8(const u8* __restrict__ kv,
         att_load_pass(b, kv, slot, 8, lane);
         if (t - t_first >= 2) att_bar_sync(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);
         att_copy_rope(kv, slot, sk, row0, lane);
-        if (lane < 16) att_st_s32(base + ATT_OFF_VALID + buf * 256 + 4 * mine, slot >= 0);
+        {   // bits 16 pw .. 16 pw + 15 of the tile's key mask (lanes l and l + 16 agree)
+            const u32 bits = __ballot_sync(0xffffffffu, slot >= 0) & 0xffffu;
+            if (lane == 0) att_st_u16(base + ATT_OFF_VALID + buf * 8 + 2 * (p >> 5), bits);
+        }
         att_store_pass(a, sk, row0, lane);
         att_prefetch_record(kv, ahead, lane >> 4);
         att_load_pass(a, kv, next, 0, lane);
         att_store_pass(b, sk, row0 + 8, lane);
         cps_cp_async_wait_all();
         cps_fence_proxy_async();                  // stores -> the async proxy (wgmma)
-        att_bar_arrive(ATT_BAR_FULL + buf, ATT_WS_THREADS);
+        att_bar_arrive(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);
         slot = next;
     }
 }
@@ -673,9 +689,19 @@ __device__ __forceinline__ void att_rows_init(AttRows& st) {
         float* __restrict__ out, float* __restrict__ lse, int H, int d_v, float scale_log2, \
         int splits, float* __restrict__ part_out, const float* __restrict__ sink
 
-// The math warpgroups of the warp-specialized kernels (threads 0..255): Q (D wide) to
-// shared memory, then for each tile the producer filled: QK^T over D / 16 k-steps,
-// softmax, PV; then the rows (scaled by the sink, if any).
+// What every math thread of the warp-specialized decode kernels does first: its share of
+// Q to shared memory, visible to wgmma and to the other math warpgroup.
+template <int D>
+__device__ __forceinline__ void att_math_start(const void* __restrict__ q, int q_half,
+                                               const AttShare& w, int H, u32 sq, int tid) {
+    att_load_q<D>(q, q_half, w, H, sq, tid);
+    cps_fence_proxy_async();
+    att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);
+}
+
+// The math warpgroups of the MODEL1 kernel (threads 0..255): Q (D wide) to shared
+// memory, then for each tile the producer filled: QK^T over D / 16 k-steps, softmax, PV;
+// then the rows (scaled by the sink, if any).
 template <int D>
 __device__ __forceinline__ void att_consume(const void* __restrict__ q, int q_half,
                                             const AttShare& w, int H, u32 base,
@@ -690,9 +716,7 @@ __device__ __forceinline__ void att_consume(const void* __restrict__ q, int q_ha
     const int wg = warp >> 2, wi = warp & 3;
     const int g = lane >> 2, t4 = lane & 3;
     const int r0 = wi * 16 + g, r1 = r0 + 8;
-    att_load_q<D>(q, q_half, w, H, sq, tid);
-    cps_fence_proxy_async();
-    att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);
+    att_math_start<D>(q, q_half, w, H, sq, tid);
     AttRows st;
     att_rows_init(st);
     for (int it = w.t_first; it < w.t_end; ++it) {
@@ -717,22 +741,6 @@ __device__ __forceinline__ void att_consume(const void* __restrict__ q, int q_ha
         if (it + 2 < w.t_end) att_bar_arrive(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);
     }
     att_write_rows(st, w, s_max, out, lse, part_out, H, d_v, splits, wg, r0, r1, t4, sink);
-}
-
-// The fp8_ds_mla cache: warp-specialized (see "warp specialization" above).
-extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_fp8(ATT_PARAMS) {
-    extern __shared__ __align__(1024) u8 att_smem_raw[];
-    const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
-    const int tid = threadIdx.x;
-    const AttShare w = att_share(indices, topk, nullptr, row_len, H, splits);
-    if (tid >= ATT_MATH_THREADS) {
-        cps_setmaxnreg_dec<ATT_PRODUCER_REGS>();
-        att_produce_fp8(kv, w.irow, w.nk_end, num_slots, w.t_first, w.t_end, base,
-                        tid - ATT_MATH_THREADS);
-        return;
-    }
-    att_consume<ATT_D>(q, q_half, w, H, base, scale_log2, out, lse, part_out, d_v, splits,
-                       sink, tid);
 }
 
 
@@ -778,10 +786,6 @@ static_assert(128 * ATT_PP_PRODUCER_REGS + 256 * ATT_PP_MATH_REGS <=
               "setmaxnreg split exceeds the CTA's register pool");
 static_assert(ATT_PP_OFF_MBAR + 48 <= ATT_OFF_L && ATT_PP_OFF_MASKS + 32 <= ATT_SMEM_USED,
               "ping-pong barriers and masks fit the row-max and validity areas");
-
-__device__ __forceinline__ void att_st_u16(u32 addr, u32 v) {
-    asm volatile("st.shared.u16 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
-}
 
 __device__ __forceinline__ uint2 att_ld_v2(u32 addr) {
     uint2 v;
@@ -936,9 +940,19 @@ __device__ __forceinline__ void att_pp_rescale(float (&o)[128], float f0, float 
 // Mask S of the tile (its 64-bit key mask at mask), the row max with m_in (the running max this
 // warpgroup continues from), O rescaled to it, P = exp2(S scale - max) in s (fp32) and
 // pk (bf16 pairs, the A fragment of wgmma), l; the new max to st.m and s_max.
+// SCALE_FIRST: S is scaled before the masks (the fp8 decode: any sm_scale, zero and
+// negative too; masking first, -inf times a scale <= 0 is NaN or +inf, which is why the
+// dense rows take the reference then); otherwise the scale is folded into the exp2's
+// argument (the prefill's FFMA). The two give the same P for a positive scale.
+template <bool SCALE_FIRST = false>
 __device__ __forceinline__ void att_pp_softmax(float (&s)[32], u32 (&pk)[16], AttRows& st,
                                                float m_in0, float m_in1, u32 mask, u32 s_max,
                                                float scale_log2, int r0, int r1, int t4) {
+    if constexpr (SCALE_FIRST) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) s[i] *= scale_log2;
+    }
+    const float c = SCALE_FIRST ? 1.f : scale_log2;
     const uint2 mw = att_ld_v2(mask);
     if ((mw.x & mw.y) != 0xffffffffu) {           // some key masked (uniform: one tile)
         // Keys 8 j + 2 t4 and + 1 of this thread: bits 8 (j % 4) and + 1 of word j / 4,
@@ -962,16 +976,16 @@ __device__ __forceinline__ void att_pp_softmax(float (&s)[32], u32 (&pk)[16], At
         mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
     }
     att_quad_max(mx0, mx1);
-    const float n0 = fmaxf(m_in0, mx0 * scale_log2), n1 = fmaxf(m_in1, mx1 * scale_log2);
+    const float n0 = fmaxf(m_in0, mx0 * c), n1 = fmaxf(m_in1, mx1 * c);
     const float so0 = att_ex2(st.m0 - n0), so1 = att_ex2(st.m1 - n1);
     att_pp_rescale(st.o, so0, so1);
     float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-        s[4 * j + 0] = att_ex2(s[4 * j + 0] * scale_log2 - n0);
-        s[4 * j + 1] = att_ex2(s[4 * j + 1] * scale_log2 - n0);
-        s[4 * j + 2] = att_ex2(s[4 * j + 2] * scale_log2 - n1);
-        s[4 * j + 3] = att_ex2(s[4 * j + 3] * scale_log2 - n1);
+        s[4 * j + 0] = att_ex2(s[4 * j + 0] * c - n0);
+        s[4 * j + 1] = att_ex2(s[4 * j + 1] * c - n0);
+        s[4 * j + 2] = att_ex2(s[4 * j + 2] * c - n1);
+        s[4 * j + 3] = att_ex2(s[4 * j + 3] * c - n1);
         ps0 += s[4 * j + 0] + s[4 * j + 1];
         ps1 += s[4 * j + 2] + s[4 * j + 3];
         pk[2 * j] = att_pack_bf16(s[4 * j + 0], s[4 * j + 1]);
@@ -1019,6 +1033,111 @@ __device__ __forceinline__ void att_pp_store_p(u32 sp, const u32 (&pk)[16], int 
     for (int j = 0; j < 8; ++j) {
         att_st_b32(sp + r0 * 128 + ((j ^ g) << 4) + 4 * t4, pk[2 * j]);
         att_st_b32(sp + r1 * 128 + ((j ^ g) << 4) + 4 * t4, pk[2 * j + 1]);
+    }
+}
+
+// ---- the fp8 decode schedule (cps_sparse_mla_fp8) -------------------------------------
+// FlashMLA's sparse decode schedule over the producer above: math warpgroup 0 owns S = Q
+// K^T of the whole tile (wgmma m64n64k16: Q is read from shared memory once a tile, not
+// once per half) and the softmax; it stores P (bf16) and the new row max, hands them to
+// warpgroup 1 (P_READY) and multiplies its own P (from registers) by V's columns 0..255,
+// while warpgroup 1 rescales its O by the same exp2(old max - new max) and multiplies P
+// (from shared memory) by columns 256..511. So warpgroup 0 issues tile t + 1's QK^T
+// while warpgroup 1's P V of tile t runs, and the two exchange nothing else a tile (no row
+// max exchange, no rescale vote: att_consume's two extra barriers). A tile with no valid
+// key is not skipped (its P is 0). Barriers: FULL + b (producer arrives, warpgroup 0
+// waits: ATT_DEC_FULL_THREADS), EMPTY + b (both math warpgroups arrive, the producer
+// waits), P_READY (warpgroup 0 arrives, 1 waits), P_FREE (the reverse: P and the row max
+// of the tile before are read). The tile's key mask: the producer's u64 at
+// ATT_OFF_VALID + 8 b. Registers: warpgroup 0 holds O's half, S and P (192 a thread),
+// warpgroup 1 O's half (160), the producer 152: the pool of 384 x 168 exactly.
+#define ATT_BAR_P_READY 6
+#define ATT_BAR_P_FREE 7
+#define ATT_DEC_WG0_REGS 192
+#define ATT_DEC_WG1_REGS 160
+static_assert(128 * (ATT_PRODUCER_REGS + ATT_DEC_WG0_REGS + ATT_DEC_WG1_REGS) <=
+                  ATT_WS_THREADS * ATT_LAUNCH_REGS,
+              "setmaxnreg split exceeds the CTA's register pool");
+
+// Math warpgroup WG of the fp8 decode. 0: QK^T, softmax, P V over value columns 0..255.
+// 1: O's columns 256..511, rescaled as warpgroup 0 rescales its own (the same exp2 of the
+// same two maxima), P from shared memory; its row sums stay 0 (warpgroup 0 holds them
+// all; att_write_rows adds the two).
+template <int WG, int D>
+__device__ __forceinline__ void att_dec_math(const void* __restrict__ q, int q_half,
+                                             const AttShare& w, int H, u32 base,
+                                             float scale_log2, float* __restrict__ out,
+                                             float* __restrict__ lse,
+                                             float* __restrict__ part_out, int d_v, int splits,
+                                             const float* __restrict__ sink, int tid) {
+    const u32 sq = base + ATT_OFF_Q, sp = base + ATT_OFF_P, s_max = base + ATT_OFF_MAX;
+    const int lane = tid & 31, wi = WG == 0 ? tid >> 5 : (tid >> 5) & 3;   // warp of its group
+    const int g = lane >> 2, t4 = lane & 3;
+    const int r0 = wi * 16 + g, r1 = r0 + 8;
+    AttRows st;
+    att_math_start<D>(q, q_half, w, H, sq, tid);
+    att_rows_init(st);
+    st.m0 = st.m1 = ATT_PP_MAX_INIT;
+    for (int it = w.t_first; it < w.t_end; ++it) {
+        const int buf = (it - w.t_first) & 1;
+        const u32 sk = base + ATT_OFF_K + buf * ATT_TILE;
+        if constexpr (WG == 0) {
+            float s[32];
+            u32 pk[16];
+            att_bar_sync(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);
+            att_pp_qk<0, D / 64, true>(s, sq, sk);
+            cps_wgmma_commit();
+            cps_wgmma_wait<0>();
+            cps_fence_regs(s);
+            if (it > w.t_first) att_bar_sync(ATT_BAR_P_FREE, ATT_MATH_THREADS);
+            att_pp_softmax<true>(s, pk, st, st.m0, st.m1, base + ATT_OFF_VALID + buf * 8,
+                                 s_max, scale_log2, r0, r1, t4);
+            att_pp_store_p(sp, pk, r0, r1, g, t4);
+            cps_fence_proxy_async();              // P -> the async proxy (wgmma)
+            att_bar_arrive(ATT_BAR_P_READY, ATT_MATH_THREADS);
+            cps_fence_regs(st.o);
+            att_pp_pv_regs(st.o, pk, sk, 0);
+            cps_wgmma_wait<0>();
+            cps_fence_regs(st.o);
+            if (it + 2 < w.t_end) att_bar_arrive(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);
+        } else {
+            att_bar_sync(ATT_BAR_P_READY, ATT_MATH_THREADS);
+            const float n0 = att_ld_f32(s_max + 4 * r0), n1 = att_ld_f32(s_max + 4 * r1);
+            att_pp_rescale(st.o, att_ex2(st.m0 - n0), att_ex2(st.m1 - n1));
+            st.m0 = n0;
+            st.m1 = n1;
+            cps_fence_regs(st.o);
+            att_pp_pv_smem(st.o, sp, sk, 1);
+            cps_wgmma_wait<0>();
+            cps_fence_regs(st.o);
+            if (it + 2 < w.t_end) att_bar_arrive(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);
+            if (it + 1 < w.t_end) att_bar_arrive(ATT_BAR_P_FREE, ATT_MATH_THREADS);
+        }
+    }
+    att_write_rows(st, w, base + ATT_OFF_L, out, lse, part_out, H, d_v, splits, WG, r0, r1,
+                   t4, sink);
+}
+
+// The fp8_ds_mla cache: warp-specialized (see "warp specialization" above).
+extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_fp8(ATT_PARAMS) {
+    extern __shared__ __align__(1024) u8 att_smem_raw[];
+    const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    const AttShare w = att_share(indices, topk, nullptr, row_len, H, splits);
+    if (tid >= ATT_MATH_THREADS) {
+        cps_setmaxnreg_dec<ATT_PRODUCER_REGS>();
+        att_produce_fp8(kv, w.irow, w.nk_end, num_slots, w.t_first, w.t_end, base,
+                        tid - ATT_MATH_THREADS);
+        return;
+    }
+    if (tid < 128) {
+        cps_setmaxnreg_inc<ATT_DEC_WG0_REGS>();
+        att_dec_math<0, ATT_D>(q, q_half, w, H, base, scale_log2, out, lse, part_out, d_v,
+                               splits, sink, tid);
+    } else {
+        cps_setmaxnreg_dec<ATT_DEC_WG1_REGS>();
+        att_dec_math<1, ATT_D>(q, q_half, w, H, base, scale_log2, out, lse, part_out, d_v,
+                               splits, sink, tid);
     }
 }
 
