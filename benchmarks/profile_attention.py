@@ -50,16 +50,15 @@ from benchmarks import harness
 
 # (variant, [(text in attention.cu, replacement)]); tests/test_profile_attention.py checks
 # every text still occurs exactly once, so the tool cannot silently time the base kernel.
-# The fp8 decode kernel's products (att_dec_wg0 / att_dec_wg1: QK^T, then each
-# warpgroup's half of P V), under a guard ptxas cannot fold (w.nk is never negative; a
-# product under `if (0)` may take its consumers with it); _QK / _PV are att_consume's
-# (the MODEL1 kernel's).
+# The fp8 decode kernel's products (att_dec_math: warpgroup 0's QK^T, each warpgroup's half
+# of P V). Removed outright, not put under a runtime guard: a guarded wgmma makes ptxas
+# serialize the others (C7515) and spill in warpgroup 0's loop, which times something
+# else. Without QK^T, S is zeros (a defined softmax); without P V, O is left as it was.
 _DEC_QK = ("            att_pp_qk<0, D / 64, true>(s, sq, sk);\n",
-           "            if (w.nk < 0) att_pp_qk<0, D / 64, true>(s, sq, sk);\n")
+           "#pragma unroll\n            for (int i = 0; i < 32; ++i) s[i] = 0.f;\n")
 _DEC_PV0 = ("            att_pp_pv_regs(st.o, pk, sk, 0);\n",
-            "            if (w.nk < 0) att_pp_pv_regs(st.o, pk, sk, 0);\n")
-_DEC_PV1 = ("            att_pp_pv_smem(st.o, sp, sk, 1);\n",
-            "            if (w.nk < 0) att_pp_pv_smem(st.o, sp, sk, 1);\n")
+            "            cps_fence_regs(pk);\n")
+_DEC_PV1 = ("            att_pp_pv_smem(st.o, sp, sk, 1);\n", "")
 _QK = ("    for (int ks = 0; ks < KSTEPS; ++ks) {", "    for (int ks = 0; ks < 0; ++ks) {")
 _PV = ("        att_wgmma_m64n256_kmn(st.o, cps_wgmma_desc(sp + ks * 32, 16, 1024),",
        "        if (0) att_wgmma_m64n256_kmn(st.o, cps_wgmma_desc(sp + ks * 32, 16, 1024),")

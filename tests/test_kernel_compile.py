@@ -14,6 +14,7 @@ import re
 
 import pytest
 
+from benchmarks import profile_attention
 from cpsparse import raw_kernels
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs the [nvrtc] extra "
@@ -56,9 +57,10 @@ def _check(result, what):
     return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
 
 
-def compile_module(name, arch="sm_90a"):
-    """(ok, log) of compiling module ``name`` exactly as the loader would."""
-    src = raw_kernels.module_source(name).encode()
+def compile_module(name, arch="sm_90a", source=None):
+    """(ok, log) of compiling module ``name`` exactly as the loader would (``source``:
+    instead of its own source, e.g. a profile's variant of it)."""
+    src = (raw_kernels.module_source(name) if source is None else source).encode()
     opts = [o.encode() for o in raw_kernels.compile_options(name, arch) + CUPY_DEFAULTS
             + ("-Xptxas=-v",)]
     err, prog = nvrtc.nvrtcCreateProgram(src, f"{name}.cu".encode(), 0, [], [])
@@ -115,6 +117,19 @@ def test_module_compiles_without_spills(name):
     serialized = [line for line in log.splitlines() if "wgmma.mma_async instructions are "
                   "serialized" in line]
     assert not serialized, "\n".join(serialized)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(set(profile_attention.VARIANTS) - {"base"}) + ["trace"])
+def test_profile_variants_compile_like_the_kernel(variant):
+    # A profile variant that spills, or makes ptxas serialize the wgmma, times something
+    # else than the part it removes (a wgmma under a runtime guard did both).
+    src = profile_attention.variant_source(raw_kernels.module_source("attention"), variant)
+    ok, log = compile_module("attention", source=src)
+    assert ok, log
+    fp8 = kernel_reports(log)["cps_sparse_mla_fp8"]
+    assert fp8[1:] == (0, 0, 0), f"variant {variant}: cps_sparse_mla_fp8 uses local memory {fp8}"
+    assert "wgmma.mma_async instructions are serialized" not in log, log
 
 
 @pytest.mark.parametrize("module,kernel,define", [

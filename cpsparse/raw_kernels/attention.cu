@@ -943,7 +943,8 @@ __device__ __forceinline__ void att_pp_rescale(float (&o)[128], float f0, float 
 // SCALE_FIRST: S is scaled before the masks (the fp8 decode: any sm_scale, zero and
 // negative too; masking first, -inf times a scale <= 0 is NaN or +inf, which is why the
 // dense rows take the reference then); otherwise the scale is folded into the exp2's
-// argument (the prefill's FFMA). The two give the same P for a positive scale.
+// argument (the prefill's FFMA). For a positive scale the two agree to rounding (the
+// FFMA rounds once, scale-first twice), not bit for bit.
 template <bool SCALE_FIRST = false>
 __device__ __forceinline__ void att_pp_softmax(float (&s)[32], u32 (&pk)[16], AttRows& st,
                                                float m_in0, float m_in1, u32 mask, u32 s_max,
