@@ -124,8 +124,7 @@ PREFILL_VARIANTS = {
     "nomath": [_PP_QK, _PP_PV_REGS, _PP_PV_SMEM],
     "nomask": [("    if ((mw.x & mw.y) != 0xffffffffu) {", "    if (false) {")],
     # the fixed costs of a CTA: its Q load (Q left as the smem held it) and its epilogue
-    "noq": [("    att_load_q<D>(q, q_half, w, H, sq, tid);\n    cps_fence_proxy_async();\n"
-             "    att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);\n    AttRows st;\n"
+    "noq": [("    att_math_start<D>(q, q_half, w, H, sq, tid);\n    AttRows st;\n"
              "    att_rows_init(st);\n    st.m0 = ATT_PP_MAX_INIT;",
              "    cps_fence_proxy_async();\n"
              "    att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);\n    AttRows st;\n"

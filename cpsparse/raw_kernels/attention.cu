@@ -689,8 +689,8 @@ __device__ __forceinline__ void att_rows_init(AttRows& st) {
         float* __restrict__ out, float* __restrict__ lse, int H, int d_v, float scale_log2, \
         int splits, float* __restrict__ part_out, const float* __restrict__ sink
 
-// What every math thread of the warp-specialized decode kernels does first: its share of
-// Q to shared memory, visible to wgmma and to the other math warpgroup.
+// What every math thread of the warp-specialized kernels does first: its share of Q to
+// shared memory, visible to wgmma and to the other math warpgroup.
 template <int D>
 __device__ __forceinline__ void att_math_start(const void* __restrict__ q, int q_half,
                                                const AttShare& w, int H, u32 sq, int tid) {
@@ -1161,9 +1161,7 @@ __device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q
     const u32 k0 = base + ATT_OFF_K, k1 = k0 + ATT_TILE;
     const u32 sS0 = base + ATT_PP_OFF_S0, sS1 = base + ATT_PP_OFF_S1;
     const u32 mbar = base + ATT_PP_OFF_MBAR, masks = base + ATT_PP_OFF_MASKS;
-    att_load_q<D>(q, q_half, w, H, sq, tid);
-    cps_fence_proxy_async();
-    att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);
+    att_math_start<D>(q, q_half, w, H, sq, tid);
     AttRows st;
     att_rows_init(st);
     st.m0 = ATT_PP_MAX_INIT;
