@@ -20,7 +20,7 @@ from cpsparse.attention import (dense_mla_attention, local_to_global_slots,
                                 softmax_scale, sparse_mla_attention)
 from cpsparse.cache import IndexerKCache, MLAKVCache, Model1KVCache
 from cpsparse.fp8 import dequantize_fp8, quantize_fp8
-from cpsparse.raw_kernels import precompile
+from cpsparse.raw_kernels import precompile, set_pdl
 from cpsparse.indexer import (fold_weights, hadamard_rotate, mqa_logits, paged_mqa_logits,
                               topk_per_row, topk_per_row_decode)
 
@@ -30,6 +30,6 @@ __all__ = [
     "fold_weights", "hadamard_rotate",
     "sparse_mla_attention", "dense_mla_attention", "local_to_global_slots", "softmax_scale",
     "get_array_module", "gpu_available", "set_device_value_checks", "set_kernels_enabled",
-    "precompile",
+    "precompile", "set_pdl",
     "attention", "indexer", "reference",
 ]

@@ -167,3 +167,67 @@ def test_topk_rows_past_2_to_the_31_elements(cp):
         assert len(np.unique(sel)) == k and (sel >= 0).all() and (sel < width).all()
         assert row[sel].min() >= np.delete(row, sel).max()
     del logits
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_pdl_launches_give_the_bits_of_serial_launches(cp, batch):
+    """With programmatic dependent launch a kernel's CTAs start while the kernel before
+    it still runs (every cpsparse kernel lets its dependents launch on entry), so a
+    missing or late grid wait would read the previous step's data: the logits, the top-k
+    slots and the attention (split-KV, so the combine reads the partials the attention
+    just wrote) of two steps with different queries, run back to back on pooled memory,
+    must equal those of serial launches (PDL off), eagerly and replayed from a graph."""
+    rng = np.random.default_rng(5)
+    d = _decode_inputs(cp, rng, batch=batch, context=9000, mla_heads=128, topk=2048)
+    second = _decode_inputs(cp, np.random.default_rng(6), batch=batch, context=9000,
+                            mla_heads=128, topk=2048)
+    steps = [(d["q8"], d["w"], d["q"]), (second["q8"], second["w"], second["q"])]
+    local = cp.asarray(np.sort(rng.choice(9000, (batch, 2048), replace=False), axis=1)
+                       .astype(np.int32))
+    req = cp.arange(batch, dtype=cp.int32)
+
+    def step(q8, w, q):
+        logits = cpsparse.paged_mqa_logits(q8, d["icache"], w, d["lens"], d["table"], 9000)
+        slots = cpsparse.topk_per_row_decode(logits, d["lens"], 1, 2048,
+                                             block_table=d["table"], block_size=64)
+        fixed = cpsparse.local_to_global_slots(local, req, d["table"], 64)
+        out, lse = cpsparse.sparse_mla_attention(q, d["mcache"], fixed,
+                                                 cpsparse.softmax_scale())
+        return logits, slots, out, lse
+
+    def run_both():
+        got = [step(*s) for s in steps]
+        cp.cuda.get_current_stream().synchronize()
+        return [[x.get() for x in g] for g in got]
+
+    previous = raw_kernels.set_pdl(False)
+    try:
+        want = run_both()
+        raw_kernels.set_pdl(True)
+        eager = run_both()
+        stream = cp.cuda.Stream(non_blocking=True)
+        pool = cp.cuda.MemoryAsyncPool()                    # stream-ordered: capturable
+        old = cp.cuda.get_allocator()
+        cp.cuda.set_allocator(pool.malloc)
+        try:
+            with stream:
+                stream.begin_capture()
+                outs = [step(*s) for s in steps]
+                graph = stream.end_capture()
+                for g in outs:                  # the graph's allocations: poisoned first
+                    for x in g:
+                        x.fill(np.nan) if x.dtype.kind == "f" else x.fill(-9)
+                graph.launch(stream)            # (once: its allocations are not freed)
+                stream.synchronize()
+                replayed = [[x.get() for x in g] for g in outs]
+        finally:
+            cp.cuda.set_allocator(old)
+    finally:
+        raw_kernels.set_pdl(previous)
+    for got, how in ((eager, "eager"), (replayed, "graph")):
+        for s in range(2):
+            logits, slots, out, lse = got[s]
+            assert np.array_equal(logits, want[s][0], equal_nan=True), (how, s)
+            assert np.array_equal(np.sort(slots, axis=1), np.sort(want[s][1], axis=1)), (how, s)
+            assert np.array_equal(out, want[s][2]) and np.array_equal(lse, want[s][3]), (how, s)
+    assert not np.array_equal(want[0][2], want[1][2])       # the two steps differ

@@ -51,8 +51,9 @@ def _letter(param):
     raise AssertionError(f"unknown parameter type: {param!r}")
 
 
-def _declarations(source):
-    """{kernel or macro name: letters} of every __global__ function in ``source``."""
+def _declarations(source, first_statement=False):
+    """{kernel or macro name: letters} of every __global__ function in ``source``
+    (with ``first_statement``: {name: the body's first statement} instead)."""
     text = (raw_kernels.SOURCE_DIR / source).read_text().replace("\\\n", "\n")
     found = {}
     for m in re.finditer(r"__global__\s+void\s+(.*?)\(([^()]*(?:\([^()]*\)[^()]*)*)\)\s*\{",
@@ -68,7 +69,8 @@ def _declarations(source):
             defined = re.findall(r"#define\s+(\w+)\(", text[:m.start()])
             name = defined[-1]
         letters = "".join(_letter(p) for p in params.split(",") if p.strip())
-        found[name] = letters
+        found[name] = " ".join(text[m.end():text.index(";", m.end()) + 1].split()) \
+            if first_statement else letters
     return found
 
 
@@ -84,6 +86,82 @@ def test_every_kernel_has_a_signature():
     for source in ("attention.cu", "indexer.cu", "quant.cu", "topk.cu"):
         for name in _declarations(source):
             assert (source, name) in declared, f"{source}: {name} has no launcher signature"
+
+
+_SOURCES = {"attention": "attention.cu", "indexer": "indexer.cu", "quant": "quant.cu",
+            "topk": "topk.cu"}
+
+
+@pytest.mark.parametrize("module", sorted(_SOURCES))
+def test_pdl_modules_wait_for_the_previous_grid_first(module):
+    """A module launched with PDL (register_module(pdl=True)) may start while the kernel
+    before it still writes its inputs: each of its kernels must wait for that grid
+    (CPS_PDL_ENTRY or CPS_PDL_WAIT) before anything else; a module launched without PDL
+    does not carry the wait (where it would be dead code that reads as if it mattered)."""
+    pdl = raw_kernels.MODULES[module].pdl
+    first = _declarations(_SOURCES[module], first_statement=True)
+    assert first, module
+    for name, statement in first.items():
+        assert (statement in ("CPS_PDL_ENTRY();", "CPS_PDL_WAIT();")) == pdl, \
+            (module, name, statement)
+    assert set(_SOURCES) == set(raw_kernels.MODULES)
+    assert {m for m in _SOURCES if raw_kernels.MODULES[m].pdl} == {"attention", "indexer", "topk"}
+
+
+class _Stream:                    # CuPy's current stream, as a launch reads it
+    ptr = 77
+
+
+class _Raw:                       # stands in for a cupy.RawKernel: its CUfunction address
+    class kernel:
+        ptr = 1234
+
+
+class _CP:
+    class cuda:
+        get_current_stream = staticmethod(lambda: _Stream)
+
+
+def test_pdl_launch_carries_the_attribute(monkeypatch):
+    """A PDL module's Kernel launches through cuLaunchKernelEx with one launch attribute,
+    programmatic stream serialization (id 6, value 1), the grid, block, shared memory and
+    stream of the call, on both launch paths; set_pdl(False) takes cuLaunchKernel again
+    (CPU: both driver calls recorded, the config read back from its bytes)."""
+    ex_calls, plain_calls = [], []
+
+    def launch_ex(config_ref, fptr, params, extra):
+        c = config_ref._obj
+        attrs = (raw_kernels._LaunchAttribute * c.numAttrs).from_address(c.attrs)
+        ex_calls.append(((c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY,
+                          c.blockDimZ, c.sharedMemBytes, c.hStream),
+                         [(a.id, a.value) for a in attrs], fptr, params, extra))
+        return 0
+
+    assert ctypes.sizeof(raw_kernels._LaunchAttribute) == 72        # cuda.h's layout
+    assert ctypes.sizeof(raw_kernels._LaunchConfig) == 56
+    monkeypatch.setattr(raw_kernels, "_param_sizes", lambda fptr: [8, 4])
+    monkeypatch.setattr(raw_kernels, "_driver_launch", lambda: lambda *a: plain_calls.append(a))
+    monkeypatch.setattr(raw_kernels, "_pdl_launch", lambda: launch_ex)
+    monkeypatch.setattr(raw_kernels, "device_facts", lambda: raw_kernels.DeviceFacts(
+        0, (9, 0), 132, 233472, 232448))
+    monkeypatch.setattr(raw_kernels, "_PDL", [True])
+    fn = raw_kernels.Kernel(_Raw(), "k", "Pi", pdl=True).bind(_CP)
+    launch = fn.launcher((5,), (128, 2), 4096)
+    launch((None, 9))
+    fn((6, 2), (64,), (None, 9), shared_mem=100)
+    assert ex_calls == [((5, 1, 1, 128, 2, 1, 4096, 77), [(6, 1)], 1234, fn._params, None),
+                        ((6, 2, 1, 64, 1, 1, 100, 77), [(6, 1)], 1234, fn._params, None)]
+    assert not plain_calls
+    assert raw_kernels.set_pdl(False) is True
+    launch((None, 9))
+    fn((6, 2), (64,), (None, 9), shared_mem=100)
+    assert len(ex_calls) == 2 and len(plain_calls) == 2
+    assert raw_kernels.set_pdl(True) is False
+    # no PDL where the kernel does not wait, or the device predates it (8.x)
+    assert raw_kernels.Kernel(_Raw(), "k", "Pi").bind(_CP)._launch_ex is None
+    monkeypatch.setattr(raw_kernels, "device_facts", lambda: raw_kernels.DeviceFacts(
+        0, (8, 0), 108, 167936, 166912))
+    assert raw_kernels.Kernel(_Raw(), "k", "Pi", pdl=True).bind(_CP)._launch_ex is None
 
 
 def test_packer_writes_each_parameter_in_its_slot():
@@ -154,20 +232,9 @@ def test_launcher_fixes_the_launch_and_keeps_its_kernel(monkeypatch):
     call recorded)."""
     calls = []
 
-    class Stream:
-        ptr = 77
-
-    class Raw:
-        class kernel:
-            ptr = 1234
-
-    class CP:
-        class cuda:
-            get_current_stream = staticmethod(lambda: Stream)
-
     monkeypatch.setattr(raw_kernels, "_param_sizes", lambda fptr: [8, 4])
     monkeypatch.setattr(raw_kernels, "_driver_launch", lambda: lambda *a: calls.append(a))
-    fn = raw_kernels.Kernel(Raw(), "k", "Pi").bind(CP)
+    fn = raw_kernels.Kernel(_Raw(), "k", "Pi").bind(_CP)
     launch = fn.launcher((5,), (128, 2), 4096)
     launch((None, 9))
     assert struct.unpack("<Qi4x", fn._buffer.raw) == (0, 9)       # packed by the closure

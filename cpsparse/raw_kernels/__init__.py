@@ -36,6 +36,7 @@ reused across processes.
 from __future__ import annotations
 
 import ctypes
+import os
 import pathlib
 import struct
 import threading
@@ -48,7 +49,7 @@ from cpsparse import _backend
 __all__ = ["MODULES", "ModuleSpec", "Capabilities", "at_least", "exactly",
            "module_source", "compile_options", "arch_for", "get_module", "get_function",
            "precompile", "supported_modules", "supported_ops", "parse_capability",
-           "require_device",
+           "require_device", "set_pdl",
            "MIN_COMPUTE_CAPABILITY", "KernelUnavailable"]
 
 SOURCE_DIR = pathlib.Path(__file__).resolve().parent
@@ -158,17 +159,24 @@ class ModuleSpec(NamedTuple):
     ops: tuple = ()         # public cpsparse ops whose CuPy path runs this module
     needs: str = ""         # why the capability rule (for messages and docs)
     defines: tuple = ()     # (NAME, value) pairs emitted as #define before the sources
+    pdl: bool = False       # every kernel starts with CPS_PDL_ENTRY (common.cuh): launched
+                            # with programmatic dependent launch where the device has it
 
 
 # module name -> ModuleSpec, in registration order
 MODULES: dict[str, ModuleSpec] = {}
 
 
-def register_module(name, files, options=(), *, capabilities, ops=(), needs="", defines=None):
+def register_module(name, files, options=(), *, capabilities, ops=(), needs="", defines=None,
+                    pdl=False):
     """Declare a kernel module: its source files (``.cuh`` first), options, the
     compute capabilities it runs on (a :class:`Capabilities`, required) and the
     constants the Python launcher owns (``defines``: emitted as ``#define`` lines in
-    front of the sources, so kernel and launcher cannot disagree)."""
+    front of the sources, so kernel and launcher cannot disagree).
+
+    ``pdl``: every kernel of the module begins with ``CPS_PDL_ENTRY()`` (common.cuh;
+    ``tests/test_kernel_compile.py`` checks it), so :class:`Kernel` may launch them with
+    programmatic dependent launch (see :func:`set_pdl`)."""
     if not isinstance(capabilities, Capabilities):
         raise TypeError(f"capabilities of module {name} must be at_least(...) or "
                         f"exactly(...), got {capabilities!r}")
@@ -176,7 +184,7 @@ def register_module(name, files, options=(), *, capabilities, ops=(), needs="", 
         if not (SOURCE_DIR / f).is_file():
             raise FileNotFoundError(f"kernel source {f} of module {name} is missing")
     MODULES[name] = ModuleSpec(tuple(files), tuple(options), capabilities, tuple(ops), needs,
-                               tuple((defines or {}).items()))
+                               tuple((defines or {}).items()), bool(pdl))
 
 
 def _spec(name):
@@ -473,12 +481,17 @@ class Kernel:
     None for NULL), ``i`` int32, ``q`` int64, ``f`` float32 (spaces ignored). The
     first lookup checks it against the compiled function's parameter sizes
     (``cuFuncGetParamInfo``, where the driver has it).
+
+    ``pdl``: the kernel waits for the grid before it (``CPS_PDL_ENTRY``), so it is
+    launched by ``cuLaunchKernelEx`` with programmatic stream serialization while
+    :func:`set_pdl` allows it and the device and driver have it (compute capability 9.0
+    and newer); otherwise by ``cuLaunchKernel``.
     """
 
     _SLOT = {"P": "Q", "q": "q", "i": "i4x", "f": "f4x"}     # 8 bytes a parameter
 
-    def __init__(self, raw, name, signature):
-        self.raw, self.name = raw, name
+    def __init__(self, raw, name, signature, pdl=False):
+        self.raw, self.name, self.pdl = raw, name, bool(pdl)
         self.signature = signature.replace(" ", "")
         bad = set(self.signature) - set(self._SLOT)
         if bad:
@@ -520,6 +533,10 @@ class Kernel:
         self._fptr = fn.ptr
         self._stream = cp.cuda.get_current_stream
         self._launch_kernel = _driver_launch()
+        self._launch_ex = None
+        if self.pdl and device_facts().capability >= (9, 0):
+            self._launch_ex = _pdl_launch()       # None where the driver lacks it
+        self._config = _pdl_config()           # __call__'s, refilled at each PDL launch
         return self
 
     def __call__(self, grid, block, args, shared_mem=0):
@@ -527,8 +544,15 @@ class Kernel:
         b = tuple(block) + (1, 1)
         with self._lock:
             self._pack(self._buffer, args)
-            self._launch_kernel(self._fptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
-                                self._stream().ptr, self._params, 0)
+            if self._launch_ex is not None and _PDL[0]:
+                c = self._config
+                c.gridDimX, c.gridDimY, c.gridDimZ = g[0], g[1], g[2]
+                c.blockDimX, c.blockDimY, c.blockDimZ = b[0], b[1], b[2]
+                c.sharedMemBytes, c.hStream = int(shared_mem), self._stream().ptr
+                _check_launch(self._launch_ex(ctypes.byref(c), self._fptr, self._params, None))
+            else:
+                self._launch_kernel(self._fptr, g[0], g[1], g[2], b[0], b[1], b[2],
+                                    shared_mem, self._stream().ptr, self._params, 0)
 
     def launcher(self, grid, block, shared_mem=0):
         """``launch(args)``: :meth:`__call__` with ``grid``, ``block`` and ``shared_mem``
@@ -539,11 +563,19 @@ class Kernel:
         gx, gy, gz, bx, by, bz, smem = g[0], g[1], g[2], b[0], b[1], b[2], int(shared_mem)
         lock, pack, buffer, params = self._lock, self._pack, self._buffer, self._params
         fptr, stream, launch_kernel = self._fptr, self._stream, self._launch_kernel
+        launch_ex, pdl, check = self._launch_ex, _PDL, _check_launch
+        if launch_ex is not None:      # the launcher's own config: its grid is fixed
+            config = _pdl_config(gx, gy, gz, bx, by, bz, smem)
+            config_ref = ctypes.byref(config)
 
         def launch(args):
             with lock:
                 pack(buffer, args)
-                launch_kernel(fptr, gx, gy, gz, bx, by, bz, smem, stream().ptr, params, 0)
+                if launch_ex is not None and pdl[0]:
+                    config.hStream = stream().ptr
+                    check(launch_ex(config_ref, fptr, params, None))
+                else:
+                    launch_kernel(fptr, gx, gy, gz, bx, by, bz, smem, stream().ptr, params, 0)
         # fptr is a bare address: the closure holds its Kernel (and so CuPy's function and
         # module) so that the code stays loaded while anything can still launch it.
         setattr(launch, "kernel", self)
@@ -560,12 +592,84 @@ _LIBCUDA: list[Any] = []
 
 
 class _LaunchConfig(ctypes.Structure):
-    """cuda.h's CUlaunchConfig (no launch attributes here)."""
+    """cuda.h's CUlaunchConfig."""
     _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
                 ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
                 ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
                 ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
                 ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """cuda.h's CUlaunchAttribute: a 4-byte id, 4 bytes of padding, a 64-byte union."""
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_int), ("value_pad", ctypes.c_char * 60)]
+
+
+# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h's CUlaunchAttributeID); its
+# value, programmaticStreamSerializationAllowed, is the union's first int.
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+# set_pdl's switch, read at every launch.
+_PDL = [os.environ.get("CPSPARSE_PDL", "1") != "0"]
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Allow or forbid programmatic dependent launch (PDL); returns the previous setting.
+
+    With PDL, the kernels of a module registered with ``pdl=True`` (indexer, top-k,
+    attention) are launched with CUDA's programmatic stream serialization: a kernel's
+    CTAs are scheduled while the kernel before it on the stream is still running, and
+    wait in the kernel (``griddepcontrol.wait``) for it to complete before they touch
+    global memory. That hides a launch's latency behind the previous kernel's tail,
+    which is much of a small decode step's time; results are the same bits either way.
+    On by default on compute capability 9.0 and newer; the environment variable
+    ``CPSPARSE_PDL=0`` turns it off at import. A launch captured in a CUDA graph keeps
+    the setting it was captured with. See docs/production.md, "Programmatic dependent
+    launch".
+
+    Parameters
+    ----------
+    enabled : bool
+        True: launch the kernels that wait for their predecessor with PDL.
+
+    Returns
+    -------
+    bool
+        The previous setting.
+
+    Examples
+    --------
+    >>> import cpsparse
+    >>> previous = cpsparse.set_pdl(False)
+    >>> cpsparse.set_pdl(previous)
+    False
+    """
+    previous = _PDL[0]
+    _PDL[0] = bool(enabled)
+    return previous
+
+
+def _pdl_config(gx=1, gy=1, gz=1, bx=1, by=1, bz=1, smem=0):
+    """A CUlaunchConfig carrying the programmatic-serialization attribute (the attribute
+    array lives as long as the config: it holds a reference)."""
+    attr = (_LaunchAttribute * 1)()
+    attr[0].id = _PROGRAMMATIC_STREAM_SERIALIZATION
+    attr[0].value = 1
+    config = _LaunchConfig(gx, gy, gz, bx, by, bz, smem, None, ctypes.addressof(attr), 1)
+    setattr(config, "_attrs", attr)
+    return config
+
+
+def _pdl_launch():
+    """The driver's ``cuLaunchKernelEx`` through ctypes, or None where it is missing."""
+    lib = _libcuda()
+    return None if lib is None else getattr(lib, "cuLaunchKernelEx", None)
+
+
+def _check_launch(rc):
+    if rc != 0:
+        from cupy_backends.cuda.api import driver
+        raise driver.CUDADriverError(rc)
 
 
 def _libcuda():
@@ -580,6 +684,10 @@ def _libcuda():
             lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int),
                                                          ctypes.c_void_p,
                                                          ctypes.POINTER(_LaunchConfig)]
+            if hasattr(lib, "cuLaunchKernelEx"):        # CUDA 12.0+
+                lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                                 ctypes.c_void_p, ctypes.c_void_p]
+                lib.cuLaunchKernelEx.restype = ctypes.c_int
             _LIBCUDA.append(lib)
         except (OSError, AttributeError):
             _LIBCUDA.append(None)
@@ -634,7 +742,9 @@ def kernel(module, name, signature, smem=0, carveout=None, cluster=1):
     key = (current_device(), module, name)
     entry = _KERNELS.get(key)
     if entry is None:
-        fn = Kernel(get_function(module, name), name, signature).bind(_cupy())
+        raw = get_function(module, name)           # refuses an unknown module
+        spec = MODULES.get(module)
+        fn = Kernel(raw, name, signature, pdl=spec is not None and spec.pdl).bind(_cupy())
         if carveout is not None:     # function attributes: set on the CuPy function
             fn.raw.preferred_shared_memory_carveout = carveout
         if cluster > PORTABLE_CLUSTER:

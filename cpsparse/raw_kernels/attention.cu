@@ -1121,6 +1121,7 @@ __device__ __forceinline__ void att_dec_math(const void* __restrict__ q, int q_h
 
 // The fp8_ds_mla cache: warp-specialized (see "warp specialization" above).
 extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_fp8(ATT_PARAMS) {
+    CPS_PDL_WAIT();
     extern __shared__ __align__(1024) u8 att_smem_raw[];
     const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
@@ -1306,6 +1307,7 @@ __device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q
 
 // Dense bf16 rows (the workspace of the dense and sparse routes), ping-pong schedule.
 extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_bf16(ATT_PARAMS) {
+    CPS_PDL_WAIT();
     extern __shared__ __align__(1024) u8 att_smem_raw[];
     const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
@@ -1526,6 +1528,7 @@ cps_sparse_mla_model1(const void* __restrict__ q, int q_half,
                       const float* __restrict__ sink, float* __restrict__ out,
                       float* __restrict__ lse, int H, int d_v, float scale_log2, int splits,
                       float* __restrict__ part_out) {
+    CPS_PDL_WAIT();
     extern __shared__ __align__(1024) u8 att_smem_raw[];
     const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
@@ -1565,6 +1568,7 @@ extern "C" __global__ void __launch_bounds__(128)
 cps_mla_combine(const float* __restrict__ part_out, float* __restrict__ out,
                 float* __restrict__ lse, const float* __restrict__ sink, int splits, int d_v,
                 int H) {
+    CPS_PDL_WAIT();
     __shared__ float weight[ATT_MAX_SPLITS];
     __shared__ float row_lse;
     __shared__ int row_nan;
@@ -1603,6 +1607,7 @@ cps_mla_combine(const float* __restrict__ part_out, float* __restrict__ out,
 // Dense workspace -> bf16 bit patterns (round to nearest even).
 extern "C" __global__ void cps_f32_to_bf16(const float* __restrict__ x, u16* __restrict__ y,
                                            long long n) {
+    CPS_PDL_WAIT();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         y[i] = (u16)(att_pack_bf16(x[i], 0.f) & 0xFFFFu);
@@ -1611,6 +1616,7 @@ extern "C" __global__ void cps_f32_to_bf16(const float* __restrict__ x, u16* __r
 
 extern "C" __global__ void cps_f16_to_bf16(const u16* __restrict__ x, u16* __restrict__ y,
                                            long long n) {
+    CPS_PDL_WAIT();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         y[i] = (u16)(att_f16x2_to_bf16x2((u32)x[i]) & 0xFFFFu);
@@ -1627,6 +1633,7 @@ extern "C" __global__ void cps_local_to_global_slots(const int* __restrict__ ind
                                                      int num_reqs, int max_blocks, int topk,
                                                      long long n, int block_size,
                                                      int* __restrict__ out) {
+    CPS_PDL_WAIT();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         const int pos = indices[i];

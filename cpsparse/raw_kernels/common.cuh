@@ -10,6 +10,37 @@ typedef unsigned long long u64;
 
 #define CPS_E4M3_MAX 448.0f
 
+// Programmatic dependent launch (PDL). The launcher starts the kernels of a module
+// registered with pdl=True (raw_kernels.register_module) with CUDA's programmatic stream
+// serialization: a kernel's CTAs may be scheduled while the kernel before it on the
+// stream still runs, which hides the launch and the CTAs' start behind that kernel's
+// tail. cps_pdl_wait() blocks the thread until that kernel has completed and its writes
+// are visible: every kernel of such a module calls it first, before any global read or
+// write (a CPU test checks the order). cps_pdl_launch_dependents() lets the next kernel
+// be scheduled as soon as every CTA of this one has issued it; its CTAs then wait in
+// their own cps_pdl_wait(). Without the launch attribute, or below sm_90, both are no-ops.
+__device__ __forceinline__ void cps_pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cps_pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// The first statement of every kernel of a PDL module is one of these two:
+//   CPS_PDL_ENTRY(): wait, then let the dependents launch at once. Their CTAs take the
+//     SMs this grid leaves free, or the ones its CTAs leave, and wait there;
+//   CPS_PDL_WAIT(): wait only; the dependents launch as this grid's CTAs exit. For the
+//     sparse MLA kernels, whose split-KV grids leave SMs idle: a combine launched at
+//     their entry made the B=8 decode 4% slower, launched at their exit 3% faster
+//     (CUDA-graph replays, H200; docs/performance.md).
+#define CPS_PDL_ENTRY() do { cps_pdl_wait(); cps_pdl_launch_dependents(); } while (0)
+#define CPS_PDL_WAIT() cps_pdl_wait()
+
 // float32 -> e4m3fn code: round to nearest even, saturate to +-448, NaN -> 0x7F.
 // Bit for bit the reference's algorithm (cpsparse/reference/fp8.py).
 __device__ __forceinline__ u8 cps_e4m3_encode(float x) {

@@ -663,6 +663,7 @@ cps_mqa_logits_mma(const u8* __restrict__ q, const u8* __restrict__ kc,
                    const float* __restrict__ ksc, const float* __restrict__ w,
                    const int* __restrict__ ks, const int* __restrict__ ke,
                    float* __restrict__ out, int M, int N, int H, int hp, int nblocks) {
+    CPS_PDL_ENTRY();
     cps_mqa_logits_body(q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks);
 }
 
@@ -715,6 +716,7 @@ __device__ __forceinline__ void cps_paged_body(
          const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,  \
          int num_blocks, float* __restrict__ out, int width, int next_n, int H, int hp,       \
          int nch, int bs_shift, int piece_tiles) {                                            \
+        CPS_PDL_ENTRY();                                                                      \
         cps_paged_body<NC, WG, WREG, STAGES, FP4, HP>(q, cache, w, lens, lens_2d, bt,         \
                                                       bt_cols, num_blocks, out, width,        \
                                                       next_n, H, hp, nch, bs_shift,           \
@@ -1124,6 +1126,7 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
     NAME(const u8* __restrict__ q, const u8* __restrict__ kc, const float* __restrict__ ksc,  \
          const float* __restrict__ w, const int* __restrict__ ks, const int* __restrict__ ke, \
          float* __restrict__ out, int M, int N, int H, int hp, int nblocks) {                 \
+        CPS_PDL_ENTRY();                                                                      \
         cps_mqa_logits_ws_body<HPC>(q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks);        \
     }
 CPS_MQA_WS_KERNEL(cps_mqa_logits_ws, 0)
@@ -1456,6 +1459,7 @@ __device__ __forceinline__ void cps_paged_ws_body(
          const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,  \
          int num_blocks, float* __restrict__ out, int width, int H, int pieces,               \
          int piece_stages, int items) {                                                       \
+        CPS_PDL_ENTRY();                                                                      \
         cps_paged_ws_body<NN, FP4, S>(q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks,    \
                                       out, width, H, pieces, piece_stages, items);            \
     }

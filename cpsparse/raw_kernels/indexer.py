@@ -82,6 +82,7 @@ WSD_SMEM = {False: ws_decode_smem_bytes(), True: ws_decode_smem_bytes(fp4=True)}
 raw_kernels.register_module(
     "indexer", ["common.cuh", "hopper.cuh", "indexer.cu"], capabilities=raw_kernels.exactly((9, 0)),
     ops=("mqa_logits", "paged_mqa_logits"), needs="Hopper wgmma, compiled for sm_90a",
+    pdl=True,
     defines=dict(CPS_IDX_D=D, CPS_IDX_TILE=TILE, CPS_IDX_THREADS=THREADS,
                  CPS_IDX_STAGES=STAGES, CPS_IDX_MAX_ROWS=MAX_ROWS, CPS_IDX_BT_CAP=BT_CAP,
                  CPS_IDX_WS_MATH=WS_MATH, CPS_IDX_WS_STAGES=WS_STAGES,

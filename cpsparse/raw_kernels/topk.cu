@@ -1267,6 +1267,7 @@ __device__ __forceinline__ void tk_srow_body(TK_PARAMS) {
 #define TK_KERNEL(THREADS, VEC, C, CAND, MINB, SUFFIX, ATTR)                                \
     extern "C" __global__ void ATTR __launch_bounds__(THREADS, MINB)                        \
     cps_topk_##SUFFIX(TK_PARAMS) {                                                          \
+        CPS_PDL_WAIT();                                                                     \
         tk_body<THREADS, VEC, C, CAND>(TK_ARGS);                                            \
     }
 
@@ -1284,6 +1285,7 @@ TK_KERNEL(512, 4, 16, TK_CAND_CLUSTER, 1, c16, __cluster_dims__(16, 1, 1))
 #define TK_SROW_KERNEL(THREADS, MINB, SUFFIX)                                               \
     extern "C" __global__ void __launch_bounds__(THREADS, MINB)                             \
     cps_topk_##SUFFIX(TK_PARAMS) {                                                          \
+        CPS_PDL_WAIT();                                                                     \
         tk_srow_body<THREADS>(TK_ARGS);                                                     \
     }
 

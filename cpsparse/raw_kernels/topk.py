@@ -59,7 +59,7 @@ ARGS = "P q PPP i i i P P ii"
 raw_kernels.register_module(
     "topk", ["common.cuh", "hopper.cuh", "topk.cu"], options=("-default-device",),
     capabilities=raw_kernels.at_least(9, 0), ops=("topk_per_row", "topk_per_row_decode"),
-    needs="thread-block clusters and distributed shared memory",
+    needs="thread-block clusters and distributed shared memory", pdl=True,
     defines=dict(TK_CAND_ONE_CTA=CAND_ONE_CTA, TK_CAND_CLUSTER=CAND_CLUSTER))
 
 
