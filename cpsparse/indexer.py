@@ -171,6 +171,9 @@ def hadamard_rotate(x: Array) -> Array:
 
 def _check_heads(q_codes, weights, rows):
     heads = q_codes.shape[-2]
+    if heads < 1:            # the logits sum over heads: none is a caller's slip, not 0
+        raise ValueError(f"Invalid shape of q_codes: expected at least one head (H >= 1), "
+                         f"got {tuple(q_codes.shape)}")
     V.check_array("weights", weights, ndim=2, dtype="float32", shape=(rows, heads),
                   shape_desc=f"[{'M' if q_codes.ndim == 3 else 'B * next_n'}, H]")
 
