@@ -8,6 +8,7 @@ import pytest
 
 import cpsparse
 from cpsparse import raw_kernels
+from cpsparse.raw_kernels import attention as katt
 
 pytestmark = pytest.mark.gpu
 
@@ -171,12 +172,13 @@ def test_topk_rows_past_2_to_the_31_elements(cp):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_pdl_launches_give_the_bits_of_serial_launches(cp, batch):
-    """With programmatic dependent launch a kernel's CTAs start while the kernel before
-    it still runs (every cpsparse kernel lets its dependents launch on entry), so a
-    missing or late grid wait would read the previous step's data: the logits, the top-k
-    slots and the attention (split-KV, so the combine reads the partials the attention
-    just wrote) of two steps with different queries, run back to back on pooled memory,
-    must equal those of serial launches (PDL off), eagerly and replayed from a graph."""
+    """With programmatic dependent launch a kernel's CTAs may start while the kernel
+    before it still runs (the indexer's kernels let the top-k launch on their entry), so
+    a missing or late grid wait would read the previous step's data: the logits, the
+    top-k slots (as sets: their order is not deterministic) and the attention (split-KV,
+    so the combine reads the partials the attention just wrote) of two steps with
+    different queries, run back to back on pooled memory, must equal those of serial
+    launches (PDL off), eagerly and replayed from a graph."""
     rng = np.random.default_rng(5)
     d = _decode_inputs(cp, rng, batch=batch, context=9000, mla_heads=128, topk=2048)
     second = _decode_inputs(cp, np.random.default_rng(6), batch=batch, context=9000,
@@ -205,6 +207,9 @@ def test_pdl_launches_give_the_bits_of_serial_launches(cp, batch):
         want = run_both()
         raw_kernels.set_pdl(True)
         eager = run_both()
+        # the launches above really were PDL launches (cuLaunchKernelEx on this driver)
+        assert raw_kernels.kernel("attention", "cps_mla_combine",
+                                  katt.COMBINE_ARGS)._launch_ex is not None
         stream = cp.cuda.Stream(non_blocking=True)
         pool = cp.cuda.MemoryAsyncPool()                    # stream-ordered: capturable
         old = cp.cuda.get_allocator()
@@ -231,3 +236,37 @@ def test_pdl_launches_give_the_bits_of_serial_launches(cp, batch):
             assert np.array_equal(np.sort(slots, axis=1), np.sort(want[s][1], axis=1)), (how, s)
             assert np.array_equal(out, want[s][2]) and np.array_equal(lse, want[s][3]), (how, s)
     assert not np.array_equal(want[0][2], want[1][2])       # the two steps differ
+
+
+# A kernel that lets its dependents launch at once, then writes its output late (about
+# 200 us on): the kernel after it sees that output only if it waits for the grid.
+_LATE_WRITER = r"""
+extern "C" __global__ void late_fill(int* out, int n, int value) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    for (int i = 0; i < 200; ++i) __nanosleep(1000);
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        out[i] = value;
+}
+"""
+
+
+def test_pdl_kernel_waits_for_a_predecessor_that_triggers_early(cp):
+    """A predecessor that lets its dependents launch on entry and writes the positions
+    late, then local_to_global_slots (value checks off: no host read in between) launched
+    with PDL: its slots must be those of the positions written, not of the ones the
+    buffer held before (a kernel without its grid wait reads those)."""
+    late_fill = cp.RawKernel(_LATE_WRITER, "late_fill", options=("-arch=sm_90",))
+    table = cp.arange(8, dtype=cp.int32).reshape(1, 8)[:, ::-1].copy()   # page p -> 7 - p
+    req = cp.zeros(4, cp.int32)
+    previous = raw_kernels.set_pdl(True), cpsparse.set_device_value_checks(False)
+    try:
+        for value in (3, 200, 70):
+            pos = cp.full((4, 16), 5, cp.int32)
+            cp.cuda.get_current_stream().synchronize()
+            late_fill((4,), (128,), (pos, np.int32(pos.size), np.int32(value)))
+            slots = cpsparse.local_to_global_slots(pos, req, table, 64)
+            want = (7 - value // 64) * 64 + value % 64
+            assert (slots.get() == want).all(), (value, slots.get()[0, :4])
+    finally:
+        raw_kernels.set_pdl(previous[0])
+        cpsparse.set_device_value_checks(previous[1])

@@ -57,9 +57,26 @@ def _check(result, what):
     return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
 
 
+_BUILDS: dict = {}          # (module, arch) -> (ok, log, ptx) of the module's own source
+
+
 def compile_module(name, arch="sm_90a", source=None):
     """(ok, log) of compiling module ``name`` exactly as the loader would (``source``:
     instead of its own source, e.g. a profile's variant of it)."""
+    return _build(name, arch, source)[:2]
+
+
+def module_ptx(name, arch="sm_90a"):
+    """The PTX NVRTC made of module ``name`` (its own source; the compile is shared with
+    :func:`compile_module`)."""
+    ok, log, ptx = _build(name, arch, None)
+    assert ok, f"NVRTC failed on module {name}:\n{log}"
+    return ptx
+
+
+def _build(name, arch, source):
+    if source is None and (name, arch) in _BUILDS:
+        return _BUILDS[name, arch]
     src = (raw_kernels.module_source(name) if source is None else source).encode()
     opts = [o.encode() for o in raw_kernels.compile_options(name, arch) + CUPY_DEFAULTS
             + ("-Xptxas=-v",)]
@@ -71,10 +88,18 @@ def compile_module(name, arch="sm_90a", source=None):
         log = b" " * size
         nvrtc.nvrtcGetProgramLog(prog, log)
         ok = status == nvrtc.nvrtcResult.NVRTC_SUCCESS
+        ptx = ""
         if ok:
             err, cubin_size = nvrtc.nvrtcGetCUBINSize(prog)
             ok = cubin_size > 0
-        return ok, log.decode(errors="replace").rstrip("\x00 ")
+            err, ptx_size = nvrtc.nvrtcGetPTXSize(prog)
+            buf = b" " * ptx_size
+            nvrtc.nvrtcGetPTX(prog, buf)
+            ptx = buf.decode(errors="replace").rstrip("\x00 ")
+        result = ok, log.decode(errors="replace").rstrip("\x00 "), ptx
+        if source is None:
+            _BUILDS[name, arch] = result
+        return result
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -117,6 +142,37 @@ def test_module_compiles_without_spills(name):
     serialized = [line for line in log.splitlines() if "wgmma.mma_async instructions are "
                   "serialized" in line]
     assert not serialized, "\n".join(serialized)
+
+
+# A PTX instruction that reads or writes memory, and its state-space / type qualifiers.
+_MEMORY_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld|st|atom|red|cp|prefetch|prefetchu|multimem|"
+                        r"tensormap|mbarrier)((?:\.\w+)*)\s", re.M)
+_LOCAL_SPACES = (".param", ".shared", ".local", ".const")
+
+
+@pytest.mark.parametrize("name", sorted(raw_kernels.MODULES))
+def test_pdl_kernels_wait_before_any_global_access(name):
+    """The compiled code of every kernel (every .entry NVRTC made, however the source
+    declares it) of a module launched with PDL runs griddepcontrol.wait before its first
+    instruction that may touch global memory (a generic-address load counts: only
+    parameter, shared, local and constant accesses may come first); a module launched
+    without PDL has none. The source-level test (test_kernel_signatures.py) names the
+    macros; this one holds even if a macro is emptied or a kernel is declared in a way
+    its regex misses."""
+    ptx = module_ptx(name)
+    starts = [m for m in re.finditer(r"\.entry\s+(\w+)", ptx)]
+    assert starts, name
+    pdl = raw_kernels.MODULES[name].pdl
+    for i, m in enumerate(starts):
+        body = ptx[m.end():starts[i + 1].start() if i + 1 < len(starts) else len(ptx)]
+        wait = body.find("griddepcontrol.wait")
+        if not pdl:
+            assert wait < 0, (name, m.group(1))
+            continue
+        assert wait >= 0, f"{name}: kernel {m.group(1)} never waits for the grid before it"
+        early = [op.group(0).strip() for op in _MEMORY_OP.finditer(body[:wait])
+                 if not any(q in op.group(2) for q in _LOCAL_SPACES)]
+        assert not early, f"{name}: kernel {m.group(1)} accesses memory before its wait: {early}"
 
 
 @pytest.mark.slow

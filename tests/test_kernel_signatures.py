@@ -101,6 +101,12 @@ def test_pdl_modules_wait_for_the_previous_grid_first(module):
     pdl = raw_kernels.MODULES[module].pdl
     first = _declarations(_SOURCES[module], first_statement=True)
     assert first, module
+    # every __global__ of the module's files is one the parse above saw (a kernel declared
+    # another way, or in a header, would escape it; test_kernel_compile.py checks the
+    # compiled code of every kernel regardless)
+    code = [re.sub(r"//.*", "", (raw_kernels.SOURCE_DIR / f).read_text())
+            for f in raw_kernels.MODULES[module].files]
+    assert sum(c.count("__global__") for c in code) == len(first), (module, sorted(first))
     for name, statement in first.items():
         assert (statement in ("CPS_PDL_ENTRY();", "CPS_PDL_WAIT();")) == pdl, \
             (module, name, statement)
@@ -134,11 +140,15 @@ def test_pdl_launch_carries_the_attribute(monkeypatch):
         attrs = (raw_kernels._LaunchAttribute * c.numAttrs).from_address(c.attrs)
         ex_calls.append(((c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY,
                           c.blockDimZ, c.sharedMemBytes, c.hStream),
-                         [(a.id, a.value) for a in attrs], fptr, params, extra))
+                         [(a.id, a.value.flag) for a in attrs], fptr, params, extra))
         return 0
 
-    assert ctypes.sizeof(raw_kernels._LaunchAttribute) == 72        # cuda.h's layout
-    assert ctypes.sizeof(raw_kernels._LaunchConfig) == 56
+    # cuda.h's layouts: CUlaunchConfig, CUlaunchAttribute (its union 8-byte aligned)
+    config_t, attr_t = raw_kernels._LaunchConfig, raw_kernels._LaunchAttribute
+    assert ctypes.sizeof(config_t) == 56 and ctypes.sizeof(attr_t) == 72
+    assert (config_t.sharedMemBytes.offset, config_t.hStream.offset, config_t.attrs.offset,
+            config_t.numAttrs.offset) == (24, 32, 40, 48)
+    assert attr_t.value.offset == 8 and ctypes.alignment(attr_t) == 8
     monkeypatch.setattr(raw_kernels, "_param_sizes", lambda fptr: [8, 4])
     monkeypatch.setattr(raw_kernels, "_driver_launch", lambda: lambda *a: plain_calls.append(a))
     monkeypatch.setattr(raw_kernels, "_pdl_launch", lambda: launch_ex)
@@ -149,14 +159,28 @@ def test_pdl_launch_carries_the_attribute(monkeypatch):
     launch = fn.launcher((5,), (128, 2), 4096)
     launch((None, 9))
     fn((6, 2), (64,), (None, 9), shared_mem=100)
+    monkeypatch.setattr(_Stream, "ptr", 88)             # the current stream, at each launch
+    launch((None, 9))
     assert ex_calls == [((5, 1, 1, 128, 2, 1, 4096, 77), [(6, 1)], 1234, fn._params, None),
-                        ((6, 2, 1, 64, 1, 1, 100, 77), [(6, 1)], 1234, fn._params, None)]
+                        ((6, 2, 1, 64, 1, 1, 100, 77), [(6, 1)], 1234, fn._params, None),
+                        ((5, 1, 1, 128, 2, 1, 4096, 88), [(6, 1)], 1234, fn._params, None)]
     assert not plain_calls
     assert raw_kernels.set_pdl(False) is True
     launch((None, 9))
     fn((6, 2), (64,), (None, 9), shared_mem=100)
-    assert len(ex_calls) == 2 and len(plain_calls) == 2
+    assert len(ex_calls) == 3 and len(plain_calls) == 2
     assert raw_kernels.set_pdl(True) is False
+    # a failed launch raises (CuPy's driver error) with the driver's status
+
+    class DriverError(Exception):
+        def __init__(self, status):
+            super().__init__(status)
+            self.status = status
+    monkeypatch.setattr(raw_kernels, "_driver_error", DriverError)
+    fn._launch_ex = lambda *a: 719                       # CUDA_ERROR_LAUNCH_FAILED
+    with pytest.raises(DriverError) as failed:
+        fn((1,), (32,), (None, 9))
+    assert failed.value.status == 719
     # no PDL where the kernel does not wait, or the device predates it (8.x)
     assert raw_kernels.Kernel(_Raw(), "k", "Pi").bind(_CP)._launch_ex is None
     monkeypatch.setattr(raw_kernels, "device_facts", lambda: raw_kernels.DeviceFacts(

@@ -159,8 +159,8 @@ class ModuleSpec(NamedTuple):
     ops: tuple = ()         # public cpsparse ops whose CuPy path runs this module
     needs: str = ""         # why the capability rule (for messages and docs)
     defines: tuple = ()     # (NAME, value) pairs emitted as #define before the sources
-    pdl: bool = False       # every kernel starts with CPS_PDL_ENTRY (common.cuh): launched
-                            # with programmatic dependent launch where the device has it
+    pdl: bool = False       # every kernel starts with CPS_PDL_ENTRY or CPS_PDL_WAIT
+                            # (common.cuh): launched with programmatic dependent launch
 
 
 # module name -> ModuleSpec, in registration order
@@ -174,9 +174,10 @@ def register_module(name, files, options=(), *, capabilities, ops=(), needs="", 
     constants the Python launcher owns (``defines``: emitted as ``#define`` lines in
     front of the sources, so kernel and launcher cannot disagree).
 
-    ``pdl``: every kernel of the module begins with ``CPS_PDL_ENTRY()`` (common.cuh;
-    ``tests/test_kernel_compile.py`` checks it), so :class:`Kernel` may launch them with
-    programmatic dependent launch (see :func:`set_pdl`)."""
+    ``pdl``: every kernel of the module begins with ``CPS_PDL_ENTRY()`` or
+    ``CPS_PDL_WAIT()`` (common.cuh; ``tests/test_kernel_signatures.py`` checks the
+    sources, ``tests/test_kernel_compile.py`` the compiled code), so :class:`Kernel` may
+    launch them with programmatic dependent launch (see :func:`set_pdl`)."""
     if not isinstance(capabilities, Capabilities):
         raise TypeError(f"capabilities of module {name} must be at_least(...) or "
                         f"exactly(...), got {capabilities!r}")
@@ -482,7 +483,8 @@ class Kernel:
     first lookup checks it against the compiled function's parameter sizes
     (``cuFuncGetParamInfo``, where the driver has it).
 
-    ``pdl``: the kernel waits for the grid before it (``CPS_PDL_ENTRY``), so it is
+    ``pdl``: the kernel waits for the grid before it (``CPS_PDL_ENTRY`` or
+    ``CPS_PDL_WAIT``), so it is
     launched by ``cuLaunchKernelEx`` with programmatic stream serialization while
     :func:`set_pdl` allows it and the device and driver have it (compute capability 9.0
     and newer); otherwise by ``cuLaunchKernel``.
@@ -600,10 +602,16 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
 
 
+class _LaunchAttributeValue(ctypes.Union):
+    """cuda.h's CUlaunchAttributeValue: 64 bytes, 8-byte aligned; the one member used here
+    is an int (programmaticStreamSerializationAllowed)."""
+    _fields_ = [("flag", ctypes.c_int), ("align", ctypes.c_uint64), ("pad", ctypes.c_char * 64)]
+
+
 class _LaunchAttribute(ctypes.Structure):
-    """cuda.h's CUlaunchAttribute: a 4-byte id, 4 bytes of padding, a 64-byte union."""
+    """cuda.h's CUlaunchAttribute: a 4-byte id, 4 bytes of padding, the 64-byte union."""
     _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4),
-                ("value", ctypes.c_int), ("value_pad", ctypes.c_char * 60)]
+                ("value", _LaunchAttributeValue)]
 
 
 # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h's CUlaunchAttributeID); its
@@ -654,7 +662,7 @@ def _pdl_config(gx=1, gy=1, gz=1, bx=1, by=1, bz=1, smem=0):
     array lives as long as the config: it holds a reference)."""
     attr = (_LaunchAttribute * 1)()
     attr[0].id = _PROGRAMMATIC_STREAM_SERIALIZATION
-    attr[0].value = 1
+    attr[0].value.flag = 1
     config = _LaunchConfig(gx, gy, gz, bx, by, bz, smem, None, ctypes.addressof(attr), 1)
     setattr(config, "_attrs", attr)
     return config
@@ -662,48 +670,65 @@ def _pdl_config(gx=1, gy=1, gz=1, bx=1, by=1, bz=1, smem=0):
 
 def _pdl_launch():
     """The driver's ``cuLaunchKernelEx`` through ctypes, or None where it is missing."""
-    lib = _libcuda()
-    return None if lib is None else getattr(lib, "cuLaunchKernelEx", None)
+    return _driver_fn("cuLaunchKernelEx")
+
+
+def _driver_error(status):
+    """CuPy's exception for a failed driver call (what its own launches raise)."""
+    from cupy_backends.cuda.api import driver
+    return driver.CUDADriverError(status)
 
 
 def _check_launch(rc):
     if rc != 0:
-        from cupy_backends.cuda.api import driver
-        raise driver.CUDADriverError(rc)
+        raise _driver_error(rc)
+
+
+# The driver entry points CuPy does not bind, with their C parameter lists (each one
+# optional: an older driver lacks the newer ones, and only what uses them goes without).
+_DRIVER_ARGTYPES = {
+    "cuFuncGetParamInfo": [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),
+                           ctypes.POINTER(ctypes.c_size_t)],                    # CUDA 12.4
+    "cuOccupancyMaxActiveClusters": [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                     ctypes.POINTER(_LaunchConfig)],            # CUDA 12.0
+    "cuLaunchKernelEx": [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_void_p],                                      # CUDA 12.0
+}
 
 
 def _libcuda():
-    """The driver library through ctypes, for the entry points CuPy does not bind (None
-    where it does not load)."""
+    """The driver library through ctypes (None where it does not load); its entry points
+    of _DRIVER_ARGTYPES are typed where the driver has them (see :func:`_driver_fn`)."""
     if not _LIBCUDA:
         try:
             lib = ctypes.CDLL("libcuda.so.1")
-            lib.cuFuncGetParamInfo.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
-                                               ctypes.POINTER(ctypes.c_size_t),
-                                               ctypes.POINTER(ctypes.c_size_t)]
-            lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int),
-                                                         ctypes.c_void_p,
-                                                         ctypes.POINTER(_LaunchConfig)]
-            if hasattr(lib, "cuLaunchKernelEx"):        # CUDA 12.0+
-                lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
-                                                 ctypes.c_void_p, ctypes.c_void_p]
-                lib.cuLaunchKernelEx.restype = ctypes.c_int
-            _LIBCUDA.append(lib)
-        except (OSError, AttributeError):
-            _LIBCUDA.append(None)
+        except OSError:
+            lib = None
+        for name, argtypes in _DRIVER_ARGTYPES.items():
+            fn = getattr(lib, name, None) if lib is not None else None
+            if fn is not None:
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        _LIBCUDA.append(lib)
     return _LIBCUDA[0]
+
+
+def _driver_fn(name):
+    """The driver's entry point ``name`` (one of _DRIVER_ARGTYPES), or None where the
+    driver does not load or does not have it."""
+    lib = _libcuda()
+    return None if lib is None else getattr(lib, name, None)
 
 
 def _param_sizes(fptr):
     """Byte sizes of a CUfunction's parameters (``cuFuncGetParamInfo``, CUDA 12.4+), or
     None where the driver does not say."""
-    lib = _libcuda()
-    if lib is None:
+    param_info = _driver_fn("cuFuncGetParamInfo")
+    if param_info is None:
         return None
     sizes: list[int] = []
     offset, size = ctypes.c_size_t(), ctypes.c_size_t()
     while len(sizes) < 256:
-        rc = lib.cuFuncGetParamInfo(ctypes.c_void_p(fptr), len(sizes), ctypes.byref(offset),
+        rc = param_info(ctypes.c_void_p(fptr), len(sizes), ctypes.byref(offset),
                                     ctypes.byref(size))
         if rc != 0:        # CUDA_ERROR_INVALID_VALUE (1): past the last parameter
             return sizes if rc == 1 else None
@@ -716,13 +741,12 @@ def max_active_clusters(fn, cluster, threads, smem):
     compiled in, ``threads`` a CTA, ``smem`` bytes of dynamic shared memory) the current
     device runs at once (``cuOccupancyMaxActiveClusters``); 0 when it runs none or the
     driver does not say."""
-    lib = _libcuda()
-    if lib is None:
+    occupancy = _driver_fn("cuOccupancyMaxActiveClusters")
+    if occupancy is None:
         return 0
     config = _LaunchConfig(cluster, 1, 1, threads, 1, 1, smem, None, None, 0)
     count = ctypes.c_int(0)
-    rc = lib.cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(fn.raw.kernel.ptr),
-                                          ctypes.byref(config))
+    rc = occupancy(ctypes.byref(count), ctypes.c_void_p(fn.raw.kernel.ptr), ctypes.byref(config))
     return count.value if rc == 0 else 0
 
 

@@ -34,10 +34,11 @@ __device__ __forceinline__ void cps_pdl_launch_dependents() {
 // The first statement of every kernel of a PDL module is one of these two:
 //   CPS_PDL_ENTRY(): wait, then let the dependents launch at once. Their CTAs take the
 //     SMs this grid leaves free, or the ones its CTAs leave, and wait there;
-//   CPS_PDL_WAIT(): wait only; the dependents launch as this grid's CTAs exit. For the
-//     sparse MLA kernels, whose split-KV grids leave SMs idle: a combine launched at
-//     their entry made the B=8 decode 4% slower, launched at their exit 3% faster
-//     (CUDA-graph replays, H200; docs/performance.md).
+//   CPS_PDL_WAIT(): wait only; the dependents launch as this grid's CTAs exit. Every
+//     attention and top-k kernel: a split-KV attention grid leaves SMs idle, and a
+//     combine (or an attention kernel after the top-k) scheduled early on them made the
+//     B=8 decode 2-4% slower, launched at the exit 1-3% faster (CUDA-graph replays,
+//     H200; docs/performance.md). The indexer's kernels use CPS_PDL_ENTRY.
 #define CPS_PDL_ENTRY() do { cps_pdl_wait(); cps_pdl_launch_dependents(); } while (0)
 #define CPS_PDL_WAIT() cps_pdl_wait()
 
