@@ -1,6 +1,7 @@
 """GPU reliability: CUDA graph capture + replay of a decode step, CuPy streams,
 concurrent precompile, and sizes whose index arithmetic passes 2**31."""
 
+import contextlib
 import threading
 
 import numpy as np
@@ -52,6 +53,18 @@ def _decode_step(cp, d, buf, out_attn):
     out_attn[...] = out
 
 
+@contextlib.contextmanager
+def _capturable_allocator(cp):
+    """CuPy allocations from a stream-ordered pool (what graph capture needs) inside."""
+    pool = cp.cuda.MemoryAsyncPool()
+    old = cp.cuda.get_allocator()
+    cp.cuda.set_allocator(pool.malloc)
+    try:
+        yield
+    finally:
+        cp.cuda.set_allocator(old)
+
+
 def test_decode_step_captured_in_a_cuda_graph_replays_correctly(cp):
     rng = np.random.default_rng(0)
     d = _decode_inputs(cp, rng, batch=4, context=3000)
@@ -61,22 +74,16 @@ def test_decode_step_captured_in_a_cuda_graph_replays_correctly(cp):
     want_idx = cp.sort(buf, axis=1).get()
     stream = cp.cuda.Stream(non_blocking=True)
     replayed = cp.zeros_like(eager)
-    pool = cp.cuda.MemoryAsyncPool()                    # stream-ordered: capturable
-    old = cp.cuda.get_allocator()
-    cp.cuda.set_allocator(pool.malloc)
-    try:
-        with stream:
-            buf[...] = -7
-            stream.synchronize()
-            stream.begin_capture()
-            _decode_step(cp, d, buf, replayed)
-            graph = stream.end_capture()
-            replayed[...] = 0
-            buf[...] = -7
-            graph.launch(stream)
-            stream.synchronize()
-    finally:
-        cp.cuda.set_allocator(old)
+    with _capturable_allocator(cp), stream:
+        buf[...] = -7
+        stream.synchronize()
+        stream.begin_capture()
+        _decode_step(cp, d, buf, replayed)
+        graph = stream.end_capture()
+        replayed[...] = 0
+        buf[...] = -7
+        graph.launch(stream)
+        stream.synchronize()
     assert np.array_equal(cp.sort(buf, axis=1).get(), want_idx)
     # Same key sets; the top-k order may differ between runs, which regroups the
     # bf16 softmax tiles: equal to attention precision, not bit for bit.
@@ -211,22 +218,16 @@ def test_pdl_launches_give_the_bits_of_serial_launches(cp, batch):
         assert raw_kernels.kernel("attention", "cps_mla_combine",
                                   katt.COMBINE_ARGS)._launch_ex is not None
         stream = cp.cuda.Stream(non_blocking=True)
-        pool = cp.cuda.MemoryAsyncPool()                    # stream-ordered: capturable
-        old = cp.cuda.get_allocator()
-        cp.cuda.set_allocator(pool.malloc)
-        try:
-            with stream:
-                stream.begin_capture()
-                outs = [step(*s) for s in steps]
-                graph = stream.end_capture()
-                for g in outs:                  # the graph's allocations: poisoned first
-                    for x in g:
-                        x.fill(np.nan) if x.dtype.kind == "f" else x.fill(-9)
-                graph.launch(stream)            # (once: its allocations are not freed)
-                stream.synchronize()
-                replayed = [[x.get() for x in g] for g in outs]
-        finally:
-            cp.cuda.set_allocator(old)
+        with _capturable_allocator(cp), stream:
+            stream.begin_capture()
+            outs = [step(*s) for s in steps]
+            graph = stream.end_capture()
+            for g in outs:                      # the graph's allocations: poisoned first
+                for x in g:
+                    x.fill(np.nan) if x.dtype.kind == "f" else x.fill(-9)
+            graph.launch(stream)                # (once: its allocations are not freed)
+            stream.synchronize()
+            replayed = [[x.get() for x in g] for g in outs]
     finally:
         raw_kernels.set_pdl(previous)
     for got, how in ((eager, "eager"), (replayed, "graph")):
