@@ -158,3 +158,41 @@ def test_layer_uses_the_configured_key_format():
     assert (rows[cfg.index_topk:] >= 0).all()              # long rows: k real positions
     with pytest.raises(ValueError, match="Invalid MLAConfig.index_cache_dtype"):
         MLAConfig(index_cache_dtype="fp4")
+
+
+def _prmt(a, b, sel):
+    """PTX prmt.b32 (default mode): byte n of the result is byte (nibble n of sel) & 7 of
+    {a, b}, or, where that nibble's bit 3 is set, the selected byte's msb replicated."""
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for n in range(4):
+        nib = (sel >> (4 * n)) & 0xF
+        byte = pool[nib & 7]
+        if nib & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * n)
+    return out
+
+
+@pytest.mark.parametrize("d", range(-5, 1))
+def test_kernel_expansion_bytes_are_the_negated_codes(d):
+    """The MXFP4 decode kernels' register expansion (indexer.cu: cps_e2m1_table's integer
+    table and cps_e2m1x8_to_neg_e4m3), written out bit by bit: every e2m1 code in every
+    nibble of a word becomes the e4m3 byte of -(code value * 2**d), which the wgmma
+    scales by -1 back to the key (a sign flip: exact). The GPU tests hold the kernels to
+    the reference; this holds the bit trick to its comment, on the CPU."""
+    drop = (-d) << 3
+    lo = (0x3C383000 - drop * 0x01010100) & 0xFFFFFFFF
+    hi = (0x4C484440 - drop * 0x01010101) & 0xFFFFFFFF
+    k40 = 0x40404040
+    rng = np.random.default_rng(7)
+    words = [int(w) for w in rng.integers(0, 2**32, size=64, dtype=np.uint64)]
+    words += [sum(c << (4 * i) for i in range(8)) for c in range(16)]   # a code everywhere
+    for c in words:
+        ch = c >> 16
+        lo4 = (_prmt(lo, hi, c & 0x7777) + (_prmt(k40, k40, c & 0xFFFF) << 1)) & 0xFFFFFFFF
+        hi4 = (_prmt(lo, hi, ch & 0x7777) + (_prmt(k40, k40, ch) << 1)) & 0xFFFFFFFF
+        got = np.frombuffer(np.array([lo4, hi4], "<u4").tobytes(), ml_dtypes.float8_e4m3fn)
+        codes = np.array([(c >> (4 * i)) & 0xF for i in range(8)], np.uint8)
+        want = -fp4.e2m1_decode(codes).astype(np.float64) * 2.0 ** d
+        np.testing.assert_array_equal(got.astype(np.float64), want, err_msg=f"word {c:#010x}")

@@ -102,7 +102,9 @@ __device__ __forceinline__ void cps_wgmma_m64n128k32(float* d, u64 da, u64 db, i
 
 // A from registers (MXFP4 keys expanded to e4m3 in registers): a[0..3] hold k-bytes
 // [4t, 4t + 4) of rows g and g + 8, then [16 + 4t, 20 + 4t) of the same rows (lane
-// 4 g + t of each warp's 16 rows), as the A fragment of mma.sync m16n8k32.
+// 4 g + t of each warp's 16 rows), as the A fragment of mma.sync m16n8k32. A is scaled
+// by -1 (imm-scale-a): the fragments hold the keys' negations (cps_e2m1x8_to_neg_e4m3),
+// an exact sign flip.
 __device__ __forceinline__ void cps_wgmma_m64n64k32_rs(float* d, const u32* a, u64 db,
                                                          int scale_d) {
 #if CPS_HAS_WGMMA
@@ -110,7 +112,7 @@ __device__ __forceinline__ void cps_wgmma_m64n64k32_rs(float* d, const u32* a, u
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
         CPS_IDX_ACC32_REGS
-        "}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+        "}, {%32, %33, %34, %35}, %36, p, -1, 1;\n}\n"
         : CPS_IDX_ACC32_OUT(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 #else
@@ -125,7 +127,7 @@ __device__ __forceinline__ void cps_wgmma_m64n128k32_rs(float* d, const u32* a, 
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
         CPS_IDX_ACC64_REGS
-        "}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        "}, {%64, %65, %66, %67}, %68, p, -1, 1;\n}\n"
         : CPS_IDX_ACC64_OUT(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 #else
@@ -268,29 +270,32 @@ __device__ __forceinline__ void cps_e2m1_table(int d, u32& lo, u32& hi) {
     }
 }
 
-// Eight e2m1 codes (nibble i of c is element i) to eight e4m3 bytes: byte i of lo4 is
-// element i, byte i of hi4 element 4 + i. The magnitude comes from the table, the sign
-// from bit 3 of each nibble: prmt with a selector nibble's msb set replicates the selected
-// byte's msb (its sign mode), so permuting the bytes of k80 = 0x80808080 by the codes
-// gives 0xFF where a code is negative and 0x80 where not: bit 6 of each byte is the
-// code's sign. k80 comes in a register: as an immediate, ptxas re-materialized it
-// before every one of these prmt (16 moves a page a thread).
-__device__ __forceinline__ void cps_e2m1x8_to_e4m3(u32 c, u32 lo, u32 hi, u32 k80, u32& lo4,
-                                                   u32& hi4) {
+// Eight e2m1 codes (nibble i of c is element i) to the e4m3 bytes of their negations:
+// byte i of lo4 is element i, byte i of hi4 element 4 + i, each times -1 (the wgmma that
+// reads them scales A by -1: cps_wgmma_m64n*k32_rs). The magnitude comes from the table,
+// the sign from bit 3 of each nibble: prmt with a selector nibble's msb set replicates
+// the selected byte's msb (its sign mode), so permuting the bytes of k40 = 0x40404040 by
+// the codes gives 0x40 where a code is positive and 0 where negative; doubled and added
+// to the magnitude (disjoint bits, no carry) it sets the sign bit of the positive codes.
+// That is one instruction (an IMAD) where the code's own sign (0x80 / 0xFF from k80) took a
+// shift and a mask-or. k40 comes in a register: as an immediate, ptxas re-materialized
+// it before every one of these prmt (16 moves a page a thread).
+__device__ __forceinline__ void cps_e2m1x8_to_neg_e4m3(u32 c, u32 lo, u32 hi, u32 k40,
+                                                       u32& lo4, u32& hi4) {
     const u32 ch = c >> 16;
-    u32 s_lo, s_hi;
-    asm("prmt.b32 %0, %1, %1, %2;" : "=r"(s_lo) : "r"(k80), "r"(c));
-    asm("prmt.b32 %0, %1, %1, %2;" : "=r"(s_hi) : "r"(k80), "r"(ch));
-    lo4 = __byte_perm(lo, hi, c & 0x7777u) | ((s_lo << 1) & 0x80808080u);
-    hi4 = __byte_perm(lo, hi, ch & 0x7777u) | ((s_hi << 1) & 0x80808080u);
+    u32 p_lo, p_hi;
+    asm("prmt.b32 %0, %1, %1, %2;" : "=r"(p_lo) : "r"(k40), "r"(c));
+    asm("prmt.b32 %0, %1, %1, %2;" : "=r"(p_hi) : "r"(k40), "r"(ch));
+    lo4 = __byte_perm(lo, hi, c & 0x7777u) + (p_lo << 1);      // (no sign mode in the table)
+    hi4 = __byte_perm(lo, hi, ch & 0x7777u) + (p_hi << 1);
 }
 
-// 0x80808080 in a register ptxas cannot fold back into an immediate (the kernels'
+// 0x40404040 in a register ptxas cannot fold back into an immediate (the kernels'
 // threads number at most 1024: tid >> 10 is 0). A compiler that used tid's range would
 // fold it again and bring the 16 moves back, silently (the logits stay the same): the
-// SASS shows them as an IMAD.U32 / MOV of 0x80808080 before each sign PRMT.
-__device__ __forceinline__ u32 cps_k80() {
-    return 0x80808080u | (threadIdx.x >> 10);
+// SASS shows them as an IMAD.U32 / MOV of 0x40404040 before each sign PRMT.
+__device__ __forceinline__ u32 cps_k40() {
+    return 0x40404040u | (threadIdx.x >> 10);
 }
 
 // Byte i of w, zero-extended: one prmt (shift-and-mask takes two).
@@ -305,9 +310,9 @@ __device__ __forceinline__ int cps_byte(u32 w, int i) {
 // bytes: one shared load and one table (its codes times 2**(e_t - E), E the key's largest
 // scale byte) a key; word ks holds k-step ks, its low half a[0] / a[1], its high half
 // a[2] / a[3]. The key scales (times the epilogue's 0.5) become 0.5 * 2**(E - 127).
-// k80: cps_k80().
+// k40: cps_k40(). The fragments hold the keys' negations (cps_e2m1x8_to_neg_e4m3).
 __device__ __forceinline__ void cps_fp4_a_fragments(const u8* codes, const u32* words, int key0,
-                                                    int t, u32 k80, u32 (&afp4)[16], float& sk0,
+                                                    int t, u32 k40, u32 (&afp4)[16], float& sk0,
                                                     float& sk1) {
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) {
@@ -323,7 +328,7 @@ __device__ __forceinline__ void cps_fp4_a_fragments(const u8* codes, const u32* 
         const u32 pw[4] = {pk.x, pk.y, pk.z, pk.w};
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)
-            cps_e2m1x8_to_e4m3(pw[ks], lo, hi, k80, afp4[4 * ks + rh], afp4[4 * ks + 2 + rh]);
+            cps_e2m1x8_to_neg_e4m3(pw[ks], lo, hi, k40, afp4[4 * ks + rh], afp4[4 * ks + 2 + rh]);
     }
 }
 
@@ -339,6 +344,8 @@ __device__ __forceinline__ void cps_idx_cta(
         int bt_first, long long page_bytes, int bs_shift,
         float* __restrict__ out, long long out_row0, long long ld, int own_lo, int own_hi) {
     static_assert(HP == 0 || (HP % 8 == 0 && NC % HP == 0), "HP: a multiple of 8 dividing NC");
+    static_assert(!FP4 || WG, "MXFP4 A fragments hold the keys' negations: only the wgmma "
+                              "path (imm-scale-a -1) multiplies them back");
     if constexpr (HP > 0) {
         hp = HP;
         rpc = NC / HP;
@@ -541,7 +548,7 @@ __device__ __forceinline__ void cps_idx_cta(
         if constexpr (FP4) {
             cps_fp4_a_fragments(s.k + buf * CPS_IDX_TILE_BYTES + CPS_IDX_TILE_BYTES / 2,
                                 reinterpret_cast<const u32*>(s.ks) + buf * CPS_IDX_TILE, key0, t,
-                                cps_k80(), afp4, sk0, sk1);
+                                cps_k40(), afp4, sk0, sk1);
         } else {
             sk0 = 0.5f * s.ks[buf * CPS_IDX_TILE + key0];
             sk1 = 0.5f * s.ks[buf * CPS_IDX_TILE + key0 + 8];
@@ -833,10 +840,11 @@ __device__ __forceinline__ CpsIdxWsLane cps_idx_ws_lane(int tid) {
 // A math warpgroup's products of a stage: its 64 keys (descriptor da) against NCOLS query
 // columns (db), waited for. The cp.async bytes -> the async proxy first. (Without this
 // fence the prefill kernel measured 2-4% faster, as the attention kernels run, but the
-// PTX model asks for it between generic-proxy writes and wgmma reads.)
-template <int NCOLS>
+// PTX model asks for it between generic-proxy writes and wgmma reads.) FENCE false: this
+// thread fenced the same bytes already (a page's second query row).
+template <int NCOLS, bool FENCE = true>
 __device__ __forceinline__ void cps_idx_ws_products(float (&acc)[NCOLS / 2], u64 da, u64 db) {
-    cps_fence_proxy_async();
+    if constexpr (FENCE) cps_fence_proxy_async();
     cps_wgmma_fence();
 #pragma unroll
     for (int k4 = 0; k4 < 4; ++k4) {
@@ -1147,7 +1155,9 @@ CPS_MQA_WS_KERNEL(cps_mqa_logits_ws_h64, 64)
 //   math warpgroup g: page g of each stage, the products and the _h64 epilogue of the
 //     prefill kernel (bit-identical logits to cps_paged_mqa_logits_*); MXFP4 keys: the
 //     page's A fragments expanded into registers (cps_fp4_a_fragments; the slot is free
-//     before the products), the products one query row at a time.
+//     before the products), the products one query row at a time; fp8 keys at next_n 2:
+//     the products one row at a time too (both rows' weights in registers), the slot
+//     released after the second row's.
 // mbarriers as the prefill kernel's, KFULL counting 128 cp.async arrivals and one after the
 // missing-page mask is stored.
 // Shared memory, from a 1024-aligned base (indexer.py's ws_decode_smem_bytes): Q slots
@@ -1349,12 +1359,15 @@ __device__ __forceinline__ void cps_paged_ws_body(
     cps_setmaxnreg_inc<CPS_IDX_WSD_MREGS>();
     const CpsIdxWsLane me = cps_idx_ws_lane(tid);
     const int wg = me.wg, t = me.t, key0 = me.key0;
-    const u32 k80 = cps_k80();
+    const u32 k40 = cps_k40();
     unsigned kv = 0;        // (unsigned: kv % S is a mask)
-    // MXFP4: the products one query row (64 columns) at a time, 32 accumulators beside the
-    // 16 registers of the page's A fragments (all 128 columns at once, at 104 registers,
-    // ptxas serialized the wgmma).
-    float acc[FP4 ? 32 : NC / 2];
+    // The products one query row (64 columns) at a time where a request has two (and for
+    // every MXFP4 page): 32 accumulators, so both rows' head weights stay in registers for
+    // the item. (MXFP4: all 128 columns at once, beside the 16 registers of the page's A
+    // fragments at 104 registers, had ptxas serialize the wgmma; fp8 next_n 2: both rows'
+    // weights beside 64 accumulators spilled.)
+    constexpr bool ROWWISE = FP4 || NN == 2;
+    float acc[ROWWISE ? 32 : NC / 2];
     const u64 da0 = cps_wgmma_desc(sbase + L::OFF_K + wg * (CPS_IDX_TILE * CPS_IDX_D), 0, 1024);
     const u64 db0 = cps_wgmma_desc(sbase, 0, 1024);
     for (int it = 0;; ++it) {
@@ -1373,13 +1386,10 @@ __device__ __forceinline__ void cps_paged_ws_body(
         const float* wq = s_w + qs * 128 + 2 * t;
         // The thread's 16 head weights a query row in registers for the whole item (read
         // from shared memory every page otherwise: the waits' memory clobbers keep the
-        // compiler from hoisting them). Not fp8 next_n 2: both rows' beside its 64
-        // accumulators spilled, and row 0's alone measured no faster (91.6-99.0 us
-        // against 91.2-96.9 at B=64 x 32K).
-        constexpr int WR = (FP4 || NN == 1) ? NN : 0;
-        float2 wreg[WR > 0 ? WR : 1][HPC / 8];
+        // compiler from hoisting them).
+        float2 wreg[NN][HPC / 8];
 #pragma unroll
-        for (int r = 0; r < WR; ++r) {
+        for (int r = 0; r < NN; ++r) {
 #pragma unroll
             for (int gi = 0; gi < HPC / 8; ++gi)
                 wreg[r][gi] = *reinterpret_cast<const float2*>(wq + r * HPC + 8 * gi);
@@ -1400,25 +1410,30 @@ __device__ __forceinline__ void cps_paged_ws_body(
             const bool live = t0 < t_hi;               // (uniform in the warpgroup)
             const bool missing = (s_pm[st] >> wg) & 1;
             const u64 db = db0 + (u64)((qs * (128 * CPS_IDX_D)) >> 4);
+            const u64 da = da0 + (u64)((st * L::SLOT) >> 4);
+            const bool work = live && !missing;
+            // fp8 keys read row by row: the ring slot is the A operand of every row's
+            // products, released after the last row's (below).
+            constexpr bool HOLD_SLOT = ROWWISE && !FP4;
             float sk0, sk1;
             u32 afp4[FP4 ? 16 : 1];
             if constexpr (FP4) {
                 // The page's A fragments and key scales into registers: the ring slot is
                 // free before the products.
                 sk0 = sk1 = 0.f;
-                if (live && !missing)
+                if (work)
                     cps_fp4_a_fragments(
                         base + L::OFF_K + st * L::SLOT + wg * (CPS_IDX_TILE * KB),
                         reinterpret_cast<const u32*>(s_ks) + st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg,
-                        key0, t, k80, afp4, sk0, sk1);
+                        key0, t, k40, afp4, sk0, sk1);
             } else {
                 sk0 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0];
                 sk1 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0 + 8];
-                if (live && !missing)
-                    cps_idx_ws_products<NC>(
-                        acc, da0 + (u64)((st * L::SLOT) >> 4), db);
+                if constexpr (!ROWWISE) {
+                    if (work) cps_idx_ws_products<NC>(acc, da, db);
+                }
             }
-            cps_mbar_arrive(kempty + 8 * st);
+            if (!HOLD_SLOT || !work) cps_mbar_arrive(kempty + 8 * st);
             if (!live) continue;
             const int col = t0 + key0 + 8 * t;
             if (missing) {                              // a page never read: -inf
@@ -1432,12 +1447,16 @@ __device__ __forceinline__ void cps_paged_ws_body(
 #pragma unroll
             for (int r = 0; r < NN; ++r) {
                 float2 v;
-                if constexpr (FP4)
-                    cps_idx_ws_products<64>(acc, afp4, db + (u64)((r * HPC * CPS_IDX_D) >> 4));
-                if constexpr (WR == 0)
-                    v = cps_idx_ws_row_logits<HPC / 8>(acc, r, wq, sk0, sk1);
-                else    // (FP4: acc holds row r alone)
-                    v = cps_idx_ws_row_logits(acc, FP4 ? 0 : r, wreg[r], sk0, sk1);
+                const u64 db_row = db + (u64)((r * HPC * CPS_IDX_D) >> 4);
+                if constexpr (FP4) {
+                    cps_idx_ws_products<64>(acc, afp4, db_row);
+                } else if constexpr (ROWWISE) {
+                    if (r == 0) cps_idx_ws_products<64>(acc, da, db_row);
+                    else cps_idx_ws_products<64, false>(acc, da, db_row);
+                    if (r == NN - 1) cps_mbar_arrive(kempty + 8 * st);
+                }
+                // (ROWWISE: acc holds row r alone)
+                v = cps_idx_ws_row_logits(acc, ROWWISE ? 0 : r, wreg[r], sk0, sk1);
                 if (whole) {
                     if (t < 2) rowp[r][t0] = t ? v.y : v.x;
                 } else if (t < 2 && col < t_hi) {
