@@ -191,6 +191,20 @@ __device__ __forceinline__ float2 cps_head_sum_finish(const float (&hs)[4], floa
     return make_float2(v0, v1);
 }
 
+// ... only the logit of key key0 + 8 (t & 1), for lane t of the quad (the warp-specialized
+// kernels' lanes 0 and 1 store keys key0 and key0 + 8): a reduce-scatter, two shuffles
+// where every lane getting both keys takes four (and a select at the store). The same
+// additions in the same order: lane t adds its partner's partial to its own, then the
+// pair's sum across the quad, (a_t + a_t^1) + (a_t^2 + a_t^3), and a sum of two floats
+// does not depend on their order, so the bits are cps_head_sum_finish's.
+__device__ __forceinline__ float cps_head_sum_finish_lane(const float (&hs)[4], float s0,
+                                                         float s1, int t) {
+    const float v0 = (hs[0] + hs[1]) * s0, v1 = (hs[2] + hs[3]) * s1;
+    const bool odd = t & 1;
+    const float v = (odd ? v1 : v0) + __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
 struct CpsIdxSmem {
     u8* q;          // [nch * NC rows][128 B], swizzled
     u8* k;          // [STAGES][64 rows][128 B], swizzled
@@ -875,12 +889,13 @@ __device__ __forceinline__ void cps_idx_ws_products(float (&acc)[NCOLS / 2], u32
     cps_fence_regs(a);                                  // the next page rewrites them
 }
 
-// Query row r's logits of this thread's keys (key0, key0 + 8) from the products: the
-// ReLU-weighted sum over its GPR column groups (weights from smem, wq = the slot's weights
-// + 2 t), times the key scales, summed across the 4 lanes of the keys.
+// Query row r's logit of key key0 + 8 (t & 1) from the products: the ReLU-weighted sum over
+// this thread's GPR column groups (weights from smem, wq = the slot's weights + 2 t), times
+// the key scales, summed across the 4 lanes of the keys (cps_head_sum_finish_lane).
 template <int GPR, int N>
-__device__ __forceinline__ float2 cps_idx_ws_row_logits(const float (&acc)[N], int r,
-                                                        const float* wq, float sk0, float sk1) {
+__device__ __forceinline__ float cps_idx_ws_row_logits(const float (&acc)[N], int r,
+                                                       const float* wq, float sk0, float sk1,
+                                                       int t) {
     float hs[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int gi = 0; gi < GPR; ++gi) {
@@ -889,16 +904,16 @@ __device__ __forceinline__ float2 cps_idx_ws_row_logits(const float (&acc)[N], i
         cps_head_sum_add(hs, wv.x, wv.y, acc[4 * i2], acc[4 * i2 + 1], acc[4 * i2 + 2],
                          acc[4 * i2 + 3]);
     }
-    return cps_head_sum_finish(hs, sk0, sk1);
+    return cps_head_sum_finish_lane(hs, sk0, sk1, t);
 }
 
 // ... with the row's GPR weight pairs in registers (wv[gi] = the pair the function above
 // reads at wq + 8 (r GPR + gi)). (Written out: the function above as a load into such an
 // array and a call of this one moved the prefill and fp8 next_n 2 kernels' shared loads.)
 template <int GPR, int N>
-__device__ __forceinline__ float2 cps_idx_ws_row_logits(const float (&acc)[N], int r,
-                                                        const float2 (&wv)[GPR], float sk0,
-                                                        float sk1) {
+__device__ __forceinline__ float cps_idx_ws_row_logits(const float (&acc)[N], int r,
+                                                       const float2 (&wv)[GPR], float sk0,
+                                                       float sk1, int t) {
     float hs[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int gi = 0; gi < GPR; ++gi) {
@@ -906,7 +921,7 @@ __device__ __forceinline__ float2 cps_idx_ws_row_logits(const float (&acc)[N], i
         cps_head_sum_add(hs, wv[gi].x, wv[gi].y, acc[4 * i2], acc[4 * i2 + 1], acc[4 * i2 + 2],
                          acc[4 * i2 + 3]);
     }
-    return cps_head_sum_finish(hs, sk0, sk1);
+    return cps_head_sum_finish_lane(hs, sk0, sk1, t);
 }
 
 // HPC: the padded head count the kernel is built for (the launcher picks it only for that
@@ -1041,7 +1056,11 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
         if (e < 16) done_mask |= 1u << e;
     }
     int kv = 0;
-    float acc[64];
+    // HPC 64: the products one query row (64 columns) at a time into 32 accumulators, so
+    // both rows' head weights stay in registers for the block (beside 64 accumulators
+    // they spilled at the math warpgroups' 112 registers).
+    constexpr bool ROWWISE = HPC == 64;
+    float acc[ROWWISE ? 32 : 64];
     const u64 da0 = cps_wgmma_desc(sbase + CPS_IDX_WS_OFF_K + wg * (CPS_IDX_TILE * CPS_IDX_D), 0, 1024);
     const u64 db0 = cps_wgmma_desc(sbase, 0, 1024);
     for (int it = 0;; ++it) {
@@ -1052,10 +1071,19 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
         cps_mbar_wait(bar + 8 * qs, (it >> 1) & 1);
         const CpsIdxWsMeta& m = meta[qs];
         const int t_lo = m.t_lo, t_hi = m.t_hi, nst = m.nst, nrows = m.nrows;
-        // Column weights read from smem per column group (in registers, 32 more a thread,
-        // the math warpgroups spill at their 112); the rows' windows in registers when the
+        // Column weights read from smem per column group (HPC 0), in registers for the
+        // block (HPC 64: its 2 rows' 16 pairs each); the rows' windows in registers when the
         // row count is known (HPC).
         const float* wq = s_w + qs * 128 + 2 * t;
+        float2 wreg[ROWWISE ? 2 : 1][8];
+        if constexpr (ROWWISE) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+#pragma unroll
+                for (int gi = 0; gi < 8; ++gi)
+                    wreg[r][gi] = *reinterpret_cast<const float2*>(wq + r * 64 + 8 * gi);
+            }
+        }
         int rlo[HPC > 0 ? 128 / HPC : 1], rhi[HPC > 0 ? 128 / HPC : 1];
         int lo_all = -0x7FFFFFFF, hi_all = 0x7FFFFFFF;   // keys inside every row's window
         float* rowp[HPC > 0 ? 128 / HPC : 1];
@@ -1079,13 +1107,16 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
             const bool live = t0 < t_hi;               // (uniform in the warpgroup)
             const float sk0 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0];
             const float sk1 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0 + 8];
-            if (live) {
-                // Descriptors as offsets from the first stage's / slot's (the address
-                // field is the low 14 bits of bytes / 16; smem < 256 KB never carries).
-                cps_idx_ws_products<128>(acc, da0 + (u64)((st * (CPS_IDX_WS_KEYS * CPS_IDX_D)) >> 4),
-                                         db0 + (u64)((qs * (128 * CPS_IDX_D)) >> 4));
+            // Descriptors as offsets from the first stage's / slot's (the address field is
+            // the low 14 bits of bytes / 16; smem < 256 KB never carries).
+            const u64 da = da0 + (u64)((st * (CPS_IDX_WS_KEYS * CPS_IDX_D)) >> 4);
+            const u64 db = db0 + (u64)((qs * (128 * CPS_IDX_D)) >> 4);
+            if constexpr (!ROWWISE) {
+                if (live) cps_idx_ws_products<128>(acc, da, db);
             }
-            cps_mbar_arrive(kempty + 8 * st);
+            // (ROWWISE: the slot is the A operand of both rows' products, released after
+            // the second row's, below.)
+            if (!ROWWISE || !live) cps_mbar_arrive(kempty + 8 * st);
             if (!live) continue;
             if constexpr (HPC > 0) {
                 // A quarter inside every row's window stores without the window checks.
@@ -1094,13 +1125,22 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
                 constexpr int GPR = HPC / 8;
 #pragma unroll
                 for (int r = 0; r < 128 / HPC; ++r) {
-                    const float2 v = cps_idx_ws_row_logits<GPR>(acc, r, wq, sk0, sk1);
+                    float v;
+                    if constexpr (ROWWISE) {
+                        const u64 db_row = db + (u64)((r * HPC * CPS_IDX_D) >> 4);
+                        if (r == 0) cps_idx_ws_products<64>(acc, da, db_row);
+                        else cps_idx_ws_products<64, false>(acc, da, db_row);
+                        if (r == 128 / HPC - 1) cps_mbar_arrive(kempty + 8 * st);
+                        v = cps_idx_ws_row_logits(acc, 0, wreg[r], sk0, sk1, t);
+                    } else {
+                        v = cps_idx_ws_row_logits<GPR>(acc, r, wq, sk0, sk1, t);
+                    }
                     const int col = t0 + key0 + 8 * t;
                     if (whole) {
-                        if (r < nrows && t < 2) rowp[r][t0] = t ? v.y : v.x;
+                        if (r < nrows && t < 2) rowp[r][t0] = v;
                     } else if (r < nrows && t < 2 && col < t_hi) {
                         const bool in = col >= rlo[r] && col < rhi[r];
-                        out[(tok0 + r) * (long long)N + col] = in ? (t ? v.y : v.x) : CPS_NEG_INF;
+                        out[(tok0 + r) * (long long)N + col] = in ? v : CPS_NEG_INF;
                     }
                 }
             } else {
@@ -1446,7 +1486,7 @@ __device__ __forceinline__ void cps_paged_ws_body(
             const bool whole = t0 + CPS_IDX_TILE <= hi_all;
 #pragma unroll
             for (int r = 0; r < NN; ++r) {
-                float2 v;
+                float v;
                 const u64 db_row = db + (u64)((r * HPC * CPS_IDX_D) >> 4);
                 if constexpr (FP4) {
                     cps_idx_ws_products<64>(acc, afp4, db_row);
@@ -1456,12 +1496,11 @@ __device__ __forceinline__ void cps_paged_ws_body(
                     if (r == NN - 1) cps_mbar_arrive(kempty + 8 * st);
                 }
                 // (ROWWISE: acc holds row r alone)
-                v = cps_idx_ws_row_logits(acc, ROWWISE ? 0 : r, wreg[r], sk0, sk1);
+                v = cps_idx_ws_row_logits(acc, ROWWISE ? 0 : r, wreg[r], sk0, sk1, t);
                 if (whole) {
-                    if (t < 2) rowp[r][t0] = t ? v.y : v.x;
+                    if (t < 2) rowp[r][t0] = v;
                 } else if (t < 2 && col < t_hi) {
-                    out[(row0 + r) * (long long)width + col] = col < rhi[r] ? (t ? v.y : v.x)
-                                                                              : CPS_NEG_INF;
+                    out[(row0 + r) * (long long)width + col] = col < rhi[r] ? v : CPS_NEG_INF;
                 }
             }
         }
