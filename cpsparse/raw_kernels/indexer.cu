@@ -1056,11 +1056,12 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
         if (e < 16) done_mask |= 1u << e;
     }
     int kv = 0;
-    // HPC 64: the products one query row (64 columns) at a time into 32 accumulators, so
-    // both rows' head weights stay in registers for the block (beside 64 accumulators
-    // they spilled at the math warpgroups' 112 registers).
-    constexpr bool ROWWISE = HPC == 64;
-    float acc[ROWWISE ? 32 : 64];
+    // HPC 64: both rows' head weights in registers for the block, beside the 64
+    // accumulators of the block's 2 rows (WREG; they fit the math warpgroups' 112
+    // registers with the row pointers as one uniform base and the key scales read after
+    // the products).
+    constexpr bool WREG = HPC == 64;
+    float acc[64];
     const u64 da0 = cps_wgmma_desc(sbase + CPS_IDX_WS_OFF_K + wg * (CPS_IDX_TILE * CPS_IDX_D), 0, 1024);
     const u64 db0 = cps_wgmma_desc(sbase, 0, 1024);
     for (int it = 0;; ++it) {
@@ -1075,8 +1076,8 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
         // block (HPC 64: its 2 rows' 16 pairs each); the rows' windows in registers when the
         // row count is known (HPC).
         const float* wq = s_w + qs * 128 + 2 * t;
-        float2 wreg[ROWWISE ? 2 : 1][8];
-        if constexpr (ROWWISE) {
+        float2 wreg[WREG ? 2 : 1][8];
+        if constexpr (WREG) {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
 #pragma unroll
@@ -1086,7 +1087,7 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
         }
         int rlo[HPC > 0 ? 128 / HPC : 1], rhi[HPC > 0 ? 128 / HPC : 1];
         int lo_all = -0x7FFFFFFF, hi_all = 0x7FFFFFFF;   // keys inside every row's window
-        float* rowp[HPC > 0 ? 128 / HPC : 1];
+        float* const rows = out + tok0 * (long long)N;   // row r, key c: rows[r N + c]
         if constexpr (HPC > 0) {
 #pragma unroll
             for (int r = 0; r < 128 / HPC; ++r) {
@@ -1096,7 +1097,6 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
                     lo_all = max(lo_all, rlo[r]);
                     hi_all = min(hi_all, rhi[r]);
                 }
-                rowp[r] = out + (tok0 + r) * (long long)N + key0 + 8 * t;
             }
             hi_all = min(hi_all, t_hi);
         }
@@ -1105,18 +1105,17 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
             cps_mbar_wait(kfull + 8 * st, (kv / CPS_IDX_WS_STAGES) & 1);
             const int t0 = t_lo + j * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg;
             const bool live = t0 < t_hi;               // (uniform in the warpgroup)
+            if (live) {
+                // Descriptors as offsets from the first stage's / slot's (the address
+                // field is the low 14 bits of bytes / 16; smem < 256 KB never carries).
+                cps_idx_ws_products<128>(acc, da0 + (u64)((st * (CPS_IDX_WS_KEYS * CPS_IDX_D)) >> 4),
+                                         db0 + (u64)((qs * (128 * CPS_IDX_D)) >> 4));
+            }
+            // The key scales after the products (not live beside the accumulators while
+            // the wgmma runs), before the slot is released.
             const float sk0 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0];
             const float sk1 = 0.5f * s_ks[st * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg + key0 + 8];
-            // Descriptors as offsets from the first stage's / slot's (the address field is
-            // the low 14 bits of bytes / 16; smem < 256 KB never carries).
-            const u64 da = da0 + (u64)((st * (CPS_IDX_WS_KEYS * CPS_IDX_D)) >> 4);
-            const u64 db = db0 + (u64)((qs * (128 * CPS_IDX_D)) >> 4);
-            if constexpr (!ROWWISE) {
-                if (live) cps_idx_ws_products<128>(acc, da, db);
-            }
-            // (ROWWISE: the slot is the A operand of both rows' products, released after
-            // the second row's, below.)
-            if (!ROWWISE || !live) cps_mbar_arrive(kempty + 8 * st);
+            cps_mbar_arrive(kempty + 8 * st);
             if (!live) continue;
             if constexpr (HPC > 0) {
                 // A quarter inside every row's window stores without the window checks.
@@ -1126,21 +1125,16 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
 #pragma unroll
                 for (int r = 0; r < 128 / HPC; ++r) {
                     float v;
-                    if constexpr (ROWWISE) {
-                        const u64 db_row = db + (u64)((r * HPC * CPS_IDX_D) >> 4);
-                        if (r == 0) cps_idx_ws_products<64>(acc, da, db_row);
-                        else cps_idx_ws_products<64, false>(acc, da, db_row);
-                        if (r == 128 / HPC - 1) cps_mbar_arrive(kempty + 8 * st);
-                        v = cps_idx_ws_row_logits(acc, 0, wreg[r], sk0, sk1, t);
-                    } else {
+                    if constexpr (WREG)
+                        v = cps_idx_ws_row_logits(acc, r, wreg[r], sk0, sk1, t);
+                    else
                         v = cps_idx_ws_row_logits<GPR>(acc, r, wq, sk0, sk1, t);
-                    }
                     const int col = t0 + key0 + 8 * t;
                     if (whole) {
-                        if (r < nrows && t < 2) rowp[r][t0] = v;
+                        if (r < nrows && t < 2) rows[(long long)r * N + col] = v;
                     } else if (r < nrows && t < 2 && col < t_hi) {
                         const bool in = col >= rlo[r] && col < rhi[r];
-                        out[(tok0 + r) * (long long)N + col] = in ? v : CPS_NEG_INF;
+                        rows[(long long)r * N + col] = in ? v : CPS_NEG_INF;
                     }
                 }
             } else {
