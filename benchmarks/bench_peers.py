@@ -339,6 +339,7 @@ class Session:
         self.iters, self.giters = (10, 6) if args.quick else (30, 15)
         self.dir = pathlib.Path(args.peers_dir)
         self.wait_s, self.no_peers = args.wait, args.no_peers
+        self.peer_first = getattr(args, "peer_first", False)
         self.torch = None if args.no_peers else timing.torch_or_none()
         self.mods, self.why, self.built, self._waited = {}, {}, None, False
 
@@ -424,23 +425,33 @@ def _side_by_side(s, call, sets, reps, poison, peer_names, make_peer):
     callable, or the output sizes in bytes for :func:`_poison_pool`);
     then, when every peer module of ``peer_names`` loads, ``make_peer(*modules)`` gives
     (peer call, its sets, compare(ours_out, peer_out) -> (err, check)); the peer is
-    cross-checked on set 0 (its first call: JIT, schedules) and timed. Returns the
-    make_row arguments."""
+    cross-checked on set 0 (its first call: JIT, schedules) and timed. With
+    ``s.peer_first`` (``--peer-first``) the peer is made and timed before cpsparse's side,
+    then cross-checked the same way. Returns the make_row arguments."""
+    mods = [s.peer(n) for n in peer_names]
+    theirs = theirs_k = err = check = pnote = None
+    peer = None
+    if s.peer_first and all(m is not None for m in mods):
+        # The order check (--peer-first): the peer is timed before cpsparse.
+        try:
+            peer = make_peer(*mods)
+            theirs, theirs_k, pnote = s.time(peer[0], peer[1], reps, torch_clock=True)
+        except Exception as exc:  # noqa: BLE001 - keep cpsparse's side, say why
+            pnote, peer = f"peer error: {type(exc).__name__}: {str(exc)[:400]}", None
     ours, ours_k, note = s.time(call, sets, reps)
     if callable(poison):
         poison()
     else:
         _poison_pool(s.cp, poison)
     got = call(*sets[0])
-    mods = [s.peer(n) for n in peer_names]
-    theirs = theirs_k = err = check = pnote = None
     try:
-        if all(m is not None for m in mods):
-            pcall, tsets, compare = make_peer(*mods)
+        if all(m is not None for m in mods) and (peer is not None or not s.peer_first):
+            pcall, tsets, compare = peer if peer is not None else make_peer(*mods)
             err, check = compare(got, pcall(*tsets[0]))
             del got
             s.sync()
-            theirs, theirs_k, pnote = s.time(pcall, tsets, reps, torch_clock=True)
+            if peer is None:
+                theirs, theirs_k, pnote = s.time(pcall, tsets, reps, torch_clock=True)
     except Exception as exc:  # noqa: BLE001 - keep cpsparse's side, say why
         pnote = f"peer error: {type(exc).__name__}: {str(exc)[:400]}"
     why = "; ".join(s.why[n] for n in peer_names if n in s.why) or None
@@ -817,6 +828,8 @@ def parse_args(argv=None):
     p.add_argument("--fresh", action="store_true", help="do not merge with the existing "
                    "benchmarks/results/peers.json rows")
     p.add_argument("--list", action="store_true", help="print the selected names and exit")
+    p.add_argument("--peer-first", action="store_true", help="time the peer before cpsparse "
+                   "in each workload (an order check: the default times cpsparse first)")
     return p.parse_args(argv)
 
 

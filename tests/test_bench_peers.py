@@ -156,3 +156,51 @@ def test_list_runs_without_torch_or_cupy():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["decode_step_B1_ctx32768", "decode_step_B8_ctx32768",
                                    "decode_step_B64_ctx32768", "decode_step_B128_ctx32768_n2"]
+
+
+class _OrderSession:
+    """The parts of bench_peers.Session that _side_by_side uses, recording the order."""
+
+    def __init__(self, peer_first):
+        self.peer_first, self.log, self.cp, self.why = peer_first, [], np, {}
+
+    def peer(self, name):
+        return object()
+
+    def time(self, fn, inputs, reps, torch_clock=False):
+        self.log.append("time peer" if torch_clock else "time cpsparse")
+        return _t(2.0 if torch_clock else 1.0), _t(1.0), None
+
+    def sync(self):
+        pass
+
+
+def _order_run(peer_first):
+    s = _OrderSession(peer_first)
+
+    def call(x):
+        s.log.append("call cpsparse")
+        return x
+
+    def make_peer(_mod):
+        s.log.append("make peer")
+
+        def pcall(x):
+            s.log.append("call peer")
+            return x
+        return pcall, [(np.ones(3),)], lambda ours, theirs: (0.0, {"ok": True})
+    got = bp._side_by_side(s, call, [(np.ones(3),)], 4, lambda: s.log.append("poison"),
+                           ["deep_gemm"], make_peer)
+    return s.log, got
+
+
+def test_peer_first_times_the_peer_before_cpsparse_and_still_cross_checks():
+    log, got = _order_run(False)
+    assert log == ["time cpsparse", "poison", "call cpsparse", "make peer", "call peer",
+                   "time peer"]
+    log2, got2 = _order_run(True)
+    assert log2 == ["make peer", "time peer", "time cpsparse", "poison", "call cpsparse",
+                    "call peer"]
+    for g in (got, got2):
+        assert g["check"] == {"ok": True} and g["err"] == 0.0
+        assert g["theirs"]["median_ms"] == 2.0 and g["ours"]["median_ms"] == 1.0
