@@ -32,6 +32,7 @@ import importlib
 import json
 import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -340,6 +341,7 @@ class Session:
         self.dir = pathlib.Path(args.peers_dir)
         self.wait_s, self.no_peers = args.wait, args.no_peers
         self.peer_first = getattr(args, "peer_first", False)
+        self.rounds = getattr(args, "rounds", 1)
         self.torch = None if args.no_peers else timing.torch_or_none()
         self.mods, self.why, self.built, self._waited = {}, {}, None, False
 
@@ -420,43 +422,97 @@ def _t2c(s, tensor):
 
 # ---- runners: one per kind, each returns rows ----------------------------------------------
 
+def _pool(runs):
+    """One timing dict from several rounds' (``{"median_<unit>", "p10_<unit>",
+    "p90_<unit>", "iters"}``): the median of the rounds' medians, the lowest p10 and the
+    highest p90, the iterations summed. A single round is returned as it is."""
+    if len(runs) == 1:
+        return runs[0]
+    unit = next(k for k in runs[0] if k.startswith("median_"))[len("median_"):]
+    out = dict(runs[0])
+    out[f"median_{unit}"] = float(statistics.median(t[f"median_{unit}"] for t in runs))
+    out[f"p10_{unit}"] = min(t[f"p10_{unit}"] for t in runs)
+    out[f"p90_{unit}"] = max(t[f"p90_{unit}"] for t in runs)
+    out["iters"] = sum(t["iters"] for t in runs)
+    return out
+
+
+def _pooled(runs):
+    """(eager, graph or None, note) pooled over the rounds of :meth:`Session.time`."""
+    if not runs:
+        return None, None, None
+    graphs = [g for _, g, _ in runs]
+    notes = [n for _, _, n in runs if n]
+    return (_pool([e for e, _, _ in runs]),
+            _pool(graphs) if all(g is not None for g in graphs) else None,
+            notes[0] if notes else None)
+
+
 def _side_by_side(s, call, sets, reps, poison, peer_names, make_peer):
     """Time cpsparse's ``call`` over ``sets``, run it once on set 0 after poisoning (a
     callable, or the output sizes in bytes for :func:`_poison_pool`);
     then, when every peer module of ``peer_names`` loads, ``make_peer(*modules)`` gives
     (peer call, its sets, compare(ours_out, peer_out) -> (err, check)); the peer is
-    cross-checked on set 0 (its first call: JIT, schedules) and timed. With
-    ``s.peer_first`` (``--peer-first``) the peer is made and timed before cpsparse's side,
-    then cross-checked the same way. Returns the make_row arguments."""
+    cross-checked on set 0 (its first call: JIT, schedules) and timed.
+
+    The order of the two sides moves compute-bound rows (the side timed first reads ~5%
+    faster on the H200's large prefill rows: docs/performance.md). ``s.peer_first``
+    (``--peer-first``) times the peer first; ``s.rounds`` (``--rounds N``, N > 1) times
+    both sides N times, alternating which goes first (cpsparse, peer, peer, cpsparse,
+    ...: ABBA for 2), each side's figures pooled (:func:`_pool`), the rounds' kernel
+    medians in the notes. Either way the peer is made before the first timing and
+    cross-checked after; by default (one round, cpsparse first) it is made, cross-checked
+    and timed after cpsparse's side. Returns the make_row arguments."""
     mods = [s.peer(n) for n in peer_names]
-    theirs = theirs_k = err = check = pnote = None
+    have_peer = all(m is not None for m in mods)
+    rounds = max(1, int(getattr(s, "rounds", 1)))
+    early = have_peer and (s.peer_first or rounds > 1)
+    err = check = pnote = None
     peer = None
-    if s.peer_first and all(m is not None for m in mods):
-        # The order check (--peer-first): the peer is timed before cpsparse.
+    if early:
         try:
             peer = make_peer(*mods)
-            theirs, theirs_k, pnote = s.time(peer[0], peer[1], reps, torch_clock=True)
         except Exception as exc:  # noqa: BLE001 - keep cpsparse's side, say why
-            pnote, peer = f"peer error: {type(exc).__name__}: {str(exc)[:400]}", None
-    ours, ours_k, note = s.time(call, sets, reps)
+            pnote = f"peer error: {type(exc).__name__}: {str(exc)[:400]}"
+    ours_runs, peer_runs = [], []
+    for r in range(rounds):
+        order = ("peer", "ours") if (r % 2 == 1) != s.peer_first else ("ours", "peer")
+        for side in order:
+            if side == "ours":
+                ours_runs.append(s.time(call, sets, reps))
+            elif peer is not None:
+                try:
+                    peer_runs.append(s.time(peer[0], peer[1], reps, torch_clock=True))
+                except Exception as exc:  # noqa: BLE001 - keep cpsparse's side, say why
+                    pnote, peer = f"peer error: {type(exc).__name__}: {str(exc)[:400]}", None
     if callable(poison):
         poison()
     else:
         _poison_pool(s.cp, poison)
     got = call(*sets[0])
     try:
-        if all(m is not None for m in mods) and (peer is not None or not s.peer_first):
+        if have_peer and (peer is not None or not early):
             pcall, tsets, compare = peer if peer is not None else make_peer(*mods)
             err, check = compare(got, pcall(*tsets[0]))
             del got
             s.sync()
-            if peer is None:
-                theirs, theirs_k, pnote = s.time(pcall, tsets, reps, torch_clock=True)
+            if not early:
+                peer_runs.append(s.time(pcall, tsets, reps, torch_clock=True))
     except Exception as exc:  # noqa: BLE001 - keep cpsparse's side, say why
         pnote = f"peer error: {type(exc).__name__}: {str(exc)[:400]}"
+    ours, ours_k, note = _pooled(ours_runs)
+    theirs, theirs_k, tnote = _pooled(peer_runs)
+    notes = [note, pnote or tnote]
+    if rounds > 1:
+        def medians(runs):
+            return [round((g or e)["median_ms"], 5) for e, g, _ in runs]
+        notes.append(f"{rounds} rounds, alternating which side is timed first (cpsparse "
+                     f"first in round 1{' and 3' if rounds > 2 else ''}"
+                     f"{', peer first in round 1' if s.peer_first else ''}); kernel medians "
+                     f"ms a round: cpsparse {medians(ours_runs)}, peer {medians(peer_runs)}")
     why = "; ".join(s.why[n] for n in peer_names if n in s.why) or None
     return dict(ours=ours, ours_kernel=ours_k, theirs=theirs, theirs_kernel=theirs_k, err=err,
-                check=check, notes=[note, pnote], peer_unavailable=why)
+                check=check, notes=notes, peer_unavailable=why)
 
 
 def _flashmla_decode(s, fm, cache, scale):
@@ -830,6 +886,10 @@ def parse_args(argv=None):
     p.add_argument("--list", action="store_true", help="print the selected names and exit")
     p.add_argument("--peer-first", action="store_true", help="time the peer before cpsparse "
                    "in each workload (an order check: the default times cpsparse first)")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="time both sides N times, alternating which goes first (ABBA for "
+                   "2), each side's figures pooled: the side timed first reads faster on "
+                   "compute-bound rows")
     return p.parse_args(argv)
 
 

@@ -161,22 +161,24 @@ def test_list_runs_without_torch_or_cupy():
 class _OrderSession:
     """The parts of bench_peers.Session that _side_by_side uses, recording the order."""
 
-    def __init__(self, peer_first):
+    def __init__(self, peer_first, rounds=1):
         self.peer_first, self.log, self.cp, self.why = peer_first, [], np, {}
+        self.rounds, self._n = rounds, 0
 
     def peer(self, name):
         return object()
 
     def time(self, fn, inputs, reps, torch_clock=False):
         self.log.append("time peer" if torch_clock else "time cpsparse")
-        return _t(2.0 if torch_clock else 1.0), _t(1.0), None
+        self._n += 1               # later rounds read slower: the pooled figure is a median
+        return _t((2.0 if torch_clock else 1.0) * self._n), _t(1.0 * self._n), None
 
     def sync(self):
         pass
 
 
-def _order_run(peer_first):
-    s = _OrderSession(peer_first)
+def _order_run(peer_first, rounds=1):
+    s = _OrderSession(peer_first, rounds)
 
     def call(x):
         s.log.append("call cpsparse")
@@ -203,4 +205,22 @@ def test_peer_first_times_the_peer_before_cpsparse_and_still_cross_checks():
                     "call peer"]
     for g in (got, got2):
         assert g["check"] == {"ok": True} and g["err"] == 0.0
-        assert g["theirs"]["median_ms"] == 2.0 and g["ours"]["median_ms"] == 1.0
+    assert got["ours"]["median_ms"] == 1.0 and got["theirs"]["median_ms"] == 4.0
+    assert got2["theirs"]["median_ms"] == 2.0 and got2["ours"]["median_ms"] == 2.0
+    assert got["notes"] == [] or all(n is None for n in got["notes"])
+
+
+def test_rounds_alternate_the_order_and_pool_each_side():
+    log, got = _order_run(False, rounds=2)
+    assert log == ["make peer", "time cpsparse", "time peer", "time peer", "time cpsparse",
+                   "poison", "call cpsparse", "call peer"]
+    # cpsparse timed 1st and 4th (1.0, 4.0), the peer 2nd and 3rd (2 x 2.0, 2 x 3.0)
+    assert got["ours"]["median_ms"] == 2.5 and got["theirs"]["median_ms"] == 5.0
+    assert got["ours"]["p10_ms"] == 0.9 and got["ours"]["p90_ms"] == 4.0 * 1.1
+    assert got["ours"]["iters"] == 60 and got["ours_kernel"]["median_ms"] == 2.5
+    assert any("2 rounds" in n and "[1.0, 4.0]" in n and "[2.0, 3.0]" in n
+               for n in got["notes"] if n)
+    log3, _ = _order_run(True, rounds=3)
+    assert [x for x in log3 if x.startswith("time")] == [
+        "time peer", "time cpsparse", "time cpsparse", "time peer", "time peer",
+        "time cpsparse"]
