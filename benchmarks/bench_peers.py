@@ -461,12 +461,14 @@ def _side_by_side(s, call, sets, reps, poison, peer_names, make_peer):
     both sides N times, alternating which goes first (cpsparse, peer, peer, cpsparse,
     ...: ABBA for 2), each side's figures pooled (:func:`_pool`), the rounds' kernel
     medians in the notes. Either way the peer is made before the first timing and
-    cross-checked after; by default (one round, cpsparse first) it is made, cross-checked
-    and timed after cpsparse's side. Returns the make_row arguments."""
-    mods = [s.peer(n) for n in peer_names]
-    have_peer = all(m is not None for m in mods)
+    cross-checked after (a peer that fails the cross-check or a later round reports no
+    time); by default (one round, cpsparse first) its module is loaded, and it is made,
+    cross-checked and timed, after cpsparse's side. Returns the make_row arguments."""
     rounds = max(1, int(getattr(s, "rounds", 1)))
-    early = have_peer and (s.peer_first or rounds > 1)
+    ordered = s.peer_first or rounds > 1
+    mods = [s.peer(n) for n in peer_names] if ordered else None
+    have_peer = ordered and all(m is not None for m in mods)
+    early = have_peer
     err = check = pnote = None
     peer = None
     if early:
@@ -490,6 +492,9 @@ def _side_by_side(s, call, sets, reps, poison, peer_names, make_peer):
     else:
         _poison_pool(s.cp, poison)
     got = call(*sets[0])
+    if not ordered:
+        mods = [s.peer(n) for n in peer_names]
+        have_peer = all(m is not None for m in mods)
     try:
         if have_peer and (peer is not None or not early):
             pcall, tsets, compare = peer if peer is not None else make_peer(*mods)
@@ -500,16 +505,18 @@ def _side_by_side(s, call, sets, reps, poison, peer_names, make_peer):
                 peer_runs.append(s.time(pcall, tsets, reps, torch_clock=True))
     except Exception as exc:  # noqa: BLE001 - keep cpsparse's side, say why
         pnote = f"peer error: {type(exc).__name__}: {str(exc)[:400]}"
+    if pnote:
+        peer_runs = []          # timed before a failed cross-check or round: not reported
     ours, ours_k, note = _pooled(ours_runs)
     theirs, theirs_k, tnote = _pooled(peer_runs)
     notes = [note, pnote or tnote]
     if rounds > 1:
         def medians(runs):
             return [round((g or e)["median_ms"], 5) for e, g, _ in runs]
-        notes.append(f"{rounds} rounds, alternating which side is timed first (cpsparse "
-                     f"first in round 1{' and 3' if rounds > 2 else ''}"
-                     f"{', peer first in round 1' if s.peer_first else ''}); kernel medians "
-                     f"ms a round: cpsparse {medians(ours_runs)}, peer {medians(peer_runs)}")
+        first = ["peer" if (r % 2 == 1) != s.peer_first else "cpsparse" for r in range(rounds)]
+        notes.append(f"{rounds} rounds, timed first by round: {', '.join(first)}; kernel "
+                     f"medians ms a round: cpsparse {medians(ours_runs)}"
+                     + (f", peer {medians(peer_runs)}" if peer_runs else ""))
     why = "; ".join(s.why[n] for n in peer_names if n in s.why) or None
     return dict(ours=ours, ours_kernel=ours_k, theirs=theirs, theirs_kernel=theirs_k, err=err,
                 check=check, notes=notes, peer_unavailable=why)

@@ -177,7 +177,7 @@ class _OrderSession:
         pass
 
 
-def _order_run(peer_first, rounds=1):
+def _order_run(peer_first, rounds=1, compare_fails=False):
     s = _OrderSession(peer_first, rounds)
 
     def call(x):
@@ -190,7 +190,11 @@ def _order_run(peer_first, rounds=1):
         def pcall(x):
             s.log.append("call peer")
             return x
-        return pcall, [(np.ones(3),)], lambda ours, theirs: (0.0, {"ok": True})
+        def compare(ours, theirs):
+            if compare_fails:
+                raise ValueError("outputs differ")
+            return 0.0, {"ok": True}
+        return pcall, [(np.ones(3),)], compare
     got = bp._side_by_side(s, call, [(np.ones(3),)], 4, lambda: s.log.append("poison"),
                            ["deep_gemm"], make_peer)
     return s.log, got
@@ -224,3 +228,20 @@ def test_rounds_alternate_the_order_and_pool_each_side():
     assert [x for x in log3 if x.startswith("time")] == [
         "time peer", "time cpsparse", "time cpsparse", "time peer", "time peer",
         "time cpsparse"]
+
+
+def test_a_peer_failing_its_cross_check_reports_no_time_in_any_order():
+    for peer_first, rounds in ((False, 1), (True, 1), (False, 2), (True, 3)):
+        _, got = _order_run(peer_first, rounds, compare_fails=True)
+        assert got["theirs"] is None and got["theirs_kernel"] is None, (peer_first, rounds)
+        assert got["ours"] is not None and got["check"] is None
+        assert any(n and "outputs differ" in n for n in got["notes"])
+
+
+def test_rounds_note_names_the_side_timed_first_in_each_round():
+    _, got = _order_run(True, rounds=3)
+    note = next(n for n in got["notes"] if n and "rounds" in n)
+    assert "timed first by round: peer, cpsparse, peer" in note, note
+    _, got = _order_run(False, rounds=2)
+    note = next(n for n in got["notes"] if n and "rounds" in n)
+    assert "timed first by round: cpsparse, peer" in note, note

@@ -855,7 +855,8 @@ __device__ __forceinline__ CpsIdxWsLane cps_idx_ws_lane(int tid) {
 // columns (db), waited for. The cp.async bytes -> the async proxy first. (Without this
 // fence the prefill kernel measured 2-4% faster, as the attention kernels run, but the
 // PTX model asks for it between generic-proxy writes and wgmma reads.) FENCE false: this
-// thread fenced the same bytes already (a page's second query row).
+// thread fenced since the bytes arrived (a page's second query row: the fence is not tied
+// to addresses, it orders every earlier generic-proxy write the thread observed).
 template <int NCOLS, bool FENCE = true>
 __device__ __forceinline__ void cps_idx_ws_products(float (&acc)[NCOLS / 2], u64 da, u64 db) {
     if constexpr (FENCE) cps_fence_proxy_async();
@@ -890,26 +891,9 @@ __device__ __forceinline__ void cps_idx_ws_products(float (&acc)[NCOLS / 2], u32
 }
 
 // Query row r's logit of key key0 + 8 (t & 1) from the products: the ReLU-weighted sum over
-// this thread's GPR column groups (weights from smem, wq = the slot's weights + 2 t), times
-// the key scales, summed across the 4 lanes of the keys (cps_head_sum_finish_lane).
-template <int GPR, int N>
-__device__ __forceinline__ float cps_idx_ws_row_logits(const float (&acc)[N], int r,
-                                                       const float* wq, float sk0, float sk1,
-                                                       int t) {
-    float hs[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int gi = 0; gi < GPR; ++gi) {
-        const int i2 = r * GPR + gi;
-        const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * i2);
-        cps_head_sum_add(hs, wv.x, wv.y, acc[4 * i2], acc[4 * i2 + 1], acc[4 * i2 + 2],
-                         acc[4 * i2 + 3]);
-    }
-    return cps_head_sum_finish_lane(hs, sk0, sk1, t);
-}
-
-// ... with the row's GPR weight pairs in registers (wv[gi] = the pair the function above
-// reads at wq + 8 (r GPR + gi)). (Written out: the function above as a load into such an
-// array and a call of this one moved the prefill and fp8 next_n 2 kernels' shared loads.)
+// this thread's GPR column groups, their weight pairs in registers (wv[gi]: the pair of
+// columns 8 (r GPR + gi) + 2 t and + 1 of the slot's weights), times the key scales,
+// summed across the 4 lanes of the keys (cps_head_sum_finish_lane).
 template <int GPR, int N>
 __device__ __forceinline__ float cps_idx_ws_row_logits(const float (&acc)[N], int r,
                                                        const float2 (&wv)[GPR], float sk0,
@@ -1060,6 +1044,7 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
     // accumulators of the block's 2 rows (WREG; they fit the math warpgroups' 112
     // registers with the row pointers as one uniform base and the key scales read after
     // the products).
+    static_assert(HPC == 0 || HPC == 64, "a ws prefill kernel for 64 heads or any");
     constexpr bool WREG = HPC == 64;
     float acc[64];
     const u64 da0 = cps_wgmma_desc(sbase + CPS_IDX_WS_OFF_K + wg * (CPS_IDX_TILE * CPS_IDX_D), 0, 1024);
@@ -1121,14 +1106,9 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
                 // A quarter inside every row's window stores without the window checks.
                 const bool whole = t0 >= lo_all && t0 + CPS_IDX_TILE <= hi_all;
                 // Rows of HPC / 8 column groups, known at compile time: straight-line code.
-                constexpr int GPR = HPC / 8;
 #pragma unroll
                 for (int r = 0; r < 128 / HPC; ++r) {
-                    float v;
-                    if constexpr (WREG)
-                        v = cps_idx_ws_row_logits(acc, r, wreg[r], sk0, sk1, t);
-                    else
-                        v = cps_idx_ws_row_logits<GPR>(acc, r, wq, sk0, sk1, t);
+                    const float v = cps_idx_ws_row_logits(acc, r, wreg[r], sk0, sk1, t);
                     const int col = t0 + key0 + 8 * t;
                     if (whole) {
                         if (r < nrows && t < 2) rows[(long long)r * N + col] = v;
