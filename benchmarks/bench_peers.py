@@ -340,8 +340,7 @@ class Session:
         self.iters, self.giters = (10, 6) if args.quick else (30, 15)
         self.dir = pathlib.Path(args.peers_dir)
         self.wait_s, self.no_peers = args.wait, args.no_peers
-        self.peer_first = getattr(args, "peer_first", False)
-        self.rounds = getattr(args, "rounds", 1)
+        self.peer_first, self.rounds = args.peer_first, args.rounds
         self.torch = None if args.no_peers else timing.torch_or_none()
         self.mods, self.why, self.built, self._waited = {}, {}, None, False
 
@@ -423,18 +422,14 @@ def _t2c(s, tensor):
 # ---- runners: one per kind, each returns rows ----------------------------------------------
 
 def _pool(runs):
-    """One timing dict from several rounds' (``{"median_<unit>", "p10_<unit>",
-    "p90_<unit>", "iters"}``): the median of the rounds' medians, the lowest p10 and the
-    highest p90, the iterations summed. A single round is returned as it is."""
+    """One timing dict from several rounds' (``{"median_ms", "p10_ms", "p90_ms",
+    "iters"}``): the median of the rounds' medians, the lowest p10 and the highest p90,
+    the iterations summed. A single round is returned as it is."""
     if len(runs) == 1:
         return runs[0]
-    unit = next(k for k in runs[0] if k.startswith("median_"))[len("median_"):]
-    out = dict(runs[0])
-    out[f"median_{unit}"] = float(statistics.median(t[f"median_{unit}"] for t in runs))
-    out[f"p10_{unit}"] = min(t[f"p10_{unit}"] for t in runs)
-    out[f"p90_{unit}"] = max(t[f"p90_{unit}"] for t in runs)
-    out["iters"] = sum(t["iters"] for t in runs)
-    return out
+    return dict(runs[0], median_ms=float(statistics.median(t["median_ms"] for t in runs)),
+                p10_ms=min(t["p10_ms"] for t in runs), p90_ms=max(t["p90_ms"] for t in runs),
+                iters=sum(t["iters"] for t in runs))
 
 
 def _pooled(runs):
@@ -464,11 +459,10 @@ def _side_by_side(s, call, sets, reps, poison, peer_names, make_peer):
     cross-checked after (a peer that fails the cross-check or a later round reports no
     time); by default (one round, cpsparse first) its module is loaded, and it is made,
     cross-checked and timed, after cpsparse's side. Returns the make_row arguments."""
-    rounds = max(1, int(getattr(s, "rounds", 1)))
+    rounds = max(1, int(s.rounds))
     ordered = s.peer_first or rounds > 1
     mods = [s.peer(n) for n in peer_names] if ordered else None
-    have_peer = ordered and all(m is not None for m in mods)
-    early = have_peer
+    early = ordered and all(m is not None for m in mods)     # the peer made before timing
     err = check = pnote = None
     peer = None
     if early:
@@ -494,9 +488,8 @@ def _side_by_side(s, call, sets, reps, poison, peer_names, make_peer):
     got = call(*sets[0])
     if not ordered:
         mods = [s.peer(n) for n in peer_names]
-        have_peer = all(m is not None for m in mods)
     try:
-        if have_peer and (peer is not None or not early):
+        if peer is not None or (not ordered and all(m is not None for m in mods)):
             pcall, tsets, compare = peer if peer is not None else make_peer(*mods)
             err, check = compare(got, pcall(*tsets[0]))
             del got

@@ -890,6 +890,21 @@ __device__ __forceinline__ void cps_idx_ws_products(float (&acc)[NCOLS / 2], u32
     cps_fence_regs(a);                                  // the next page rewrites them
 }
 
+// The thread's head-weight pairs of ROWS query rows of HPC columns each, into registers
+// for a query block / item (wq: the slot's weights + 2 t): wv[r][gi] holds columns
+// r HPC + 8 gi + 2 t and + 1, the pairs cps_idx_ws_row_logits takes. (Read from shared
+// memory every page otherwise: the waits' memory clobbers keep the compiler from
+// hoisting the loads.)
+template <int ROWS, int HPC>
+__device__ __forceinline__ void cps_idx_ws_weights(const float* wq, float2 (&wv)[ROWS][HPC / 8]) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int gi = 0; gi < HPC / 8; ++gi)
+            wv[r][gi] = *reinterpret_cast<const float2*>(wq + r * HPC + 8 * gi);
+    }
+}
+
 // Query row r's logit of key key0 + 8 (t & 1) from the products: the ReLU-weighted sum over
 // this thread's GPR column groups, their weight pairs in registers (wv[gi]: the pair of
 // columns 8 (r GPR + gi) + 2 t and + 1 of the slot's weights), times the key scales,
@@ -1062,14 +1077,7 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
         // row count is known (HPC).
         const float* wq = s_w + qs * 128 + 2 * t;
         float2 wreg[WREG ? 2 : 1][8];
-        if constexpr (WREG) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-#pragma unroll
-                for (int gi = 0; gi < 8; ++gi)
-                    wreg[r][gi] = *reinterpret_cast<const float2*>(wq + r * 64 + 8 * gi);
-            }
-        }
+        if constexpr (WREG) cps_idx_ws_weights<2, 64>(wq, wreg);
         int rlo[HPC > 0 ? 128 / HPC : 1], rhi[HPC > 0 ? 128 / HPC : 1];
         int lo_all = -0x7FFFFFFF, hi_all = 0x7FFFFFFF;   // keys inside every row's window
         float* const rows = out + tok0 * (long long)N;   // row r, key c: rows[r N + c]
@@ -1398,16 +1406,9 @@ __device__ __forceinline__ void cps_paged_ws_body(
         const CpsIdxWsMeta& m = meta[qs];
         const int t_lo = m.t_lo, t_hi = m.t_hi, nst = m.nst;
         const float* wq = s_w + qs * 128 + 2 * t;
-        // The thread's 16 head weights a query row in registers for the whole item (read
-        // from shared memory every page otherwise: the waits' memory clobbers keep the
-        // compiler from hoisting them).
+        // The thread's 16 head weights a query row in registers for the whole item.
         float2 wreg[NN][HPC / 8];
-#pragma unroll
-        for (int r = 0; r < NN; ++r) {
-#pragma unroll
-            for (int gi = 0; gi < HPC / 8; ++gi)
-                wreg[r][gi] = *reinterpret_cast<const float2*>(wq + r * HPC + 8 * gi);
-        }
+        cps_idx_ws_weights<NN, HPC>(wq, wreg);
         int rhi[NN];
         int hi_all = t_hi;                              // keys inside every row's window
         float* rowp[NN];
