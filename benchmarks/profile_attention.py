@@ -17,7 +17,12 @@ difference to ``base`` is what that part adds to the critical path:
 - ``noprod``: the producer loads, dequantizes and stores nothing (it keeps the slots,
   the validity flags and the barriers): the math side alone;
 - ``prodonly_nodeq`` / ``prodonly_local``: ``nommas`` with ``nodeq`` / ``localslots``
-  (the producer alone without its arithmetic / without HBM latency).
+  (the producer alone without its arithmetic / without HBM latency);
+- ``halfprod``: the producer loads, dequantizes and stores rows 0..7 of its warp's 16
+  only (what each producer of a 2-CTA cluster sharing a tile would do); ``halfload``:
+  loads those 8 rows but dequantizes and stores them twice (the kernel's arithmetic and
+  shared-memory stores with half its loads); ``halfload_nommas``: ``halfload`` without
+  the products.
 
 The outputs of the variants are wrong by construction; only the times mean something.
 Results: stdout and ``$OUT/profile_attention.json`` when set.
@@ -66,6 +71,15 @@ _DQ = "__device__ __forceinline__ void att_dequant4(u32 w, float scale, u32& out
 _NODEQ = (_DQ, _DQ + " out01 = w; out23 = w ^ __float_as_uint(scale); return;")
 _LOCAL = ("    const int slot = irow != nullptr ? __ldg(irow + j) : rbase + j;",
           "    const int slot = irow != nullptr ? (j & 63) : rbase + j;")
+# Half the producer's rows (what the two CTAs of a cluster would each load if they shared
+# one tile's dequantized keys): rows 8..15 of each warp not loaded; halfload dequantizes
+# and stores rows 0..7's registers there too (the arithmetic and the shared-memory
+# traffic stay), halfprod leaves them.
+_HALF_LOAD = ("        att_load_pass(b, kv, slot, 8, lane);\n", "")
+_HALF_STORE = ("        att_store_pass(b, sk, row0 + 8, lane);\n", "")
+_TWICE_STORE = ("        att_store_pass(a, sk, row0, lane);\n",
+                "        att_store_pass(a, sk, row0, lane);\n"
+                "        att_store_pass(a, sk, row0 + 8, lane);\n")
 VARIANTS = {
     "base": [],
     "nommas": [_DEC_QK, _DEC_PV0, _DEC_PV1],
@@ -80,6 +94,9 @@ VARIANTS = {
                ("        att_prefetch_record(kv, ahead, lane >> 4);\n", ""),
                ("        att_load_pass(a, kv, next, 0, lane);\n", ""),
                ("        att_store_pass(b, sk, row0 + 8, lane);\n", "")],
+    "halfprod": [_HALF_LOAD, _HALF_STORE],
+    "halfload": [_HALF_LOAD, _HALF_STORE, _TWICE_STORE],
+    "halfload_nommas": [_DEC_QK, _DEC_PV0, _DEC_PV1, _HALF_LOAD, _HALF_STORE, _TWICE_STORE],
     "prodonly_nodeq": [_DEC_QK, _DEC_PV0, _DEC_PV1, _NODEQ],
     "prodonly_local": [_DEC_QK, _DEC_PV0, _DEC_PV1, _LOCAL],
 }
