@@ -246,8 +246,13 @@ __device__ __forceinline__ bool att_slot_ok(int slot, int num_slots) {
     return (u32)slot < (u32)num_slots;
 }
 
+// A stored entry as a slot: itself where att_slot_ok, else -1 (masked).
+__device__ __forceinline__ int att_slot_checked(int raw, int num_slots) {
+    return att_slot_ok(raw, num_slots) ? raw : -1;
+}
+
 // Key j of this CTA's token as stored: the top-k entry, or a causal range; -1 past nk.
-// Not yet checked against the cache (att_slot_ok).
+// Not yet checked against the cache (att_slot_checked).
 __device__ __forceinline__ int att_slot_raw(const int* __restrict__ irow, int rbase, int nk,
                                             int j) {
     if (j >= nk) return -1;
@@ -258,8 +263,7 @@ __device__ __forceinline__ int att_slot_raw(const int* __restrict__ irow, int rb
 // Slot of key j (< nk) of this CTA's token; -1 when masked or out of range.
 __device__ __forceinline__ int att_slot(const int* __restrict__ irow, int rbase, int nk, int j,
                                         int num_slots) {
-    const int slot = att_slot_raw(irow, rbase, nk, j);
-    return att_slot_ok(slot, num_slots) ? slot : -1;
+    return att_slot_checked(att_slot_raw(irow, rbase, nk, j), num_slots);
 }
 
 // ---- warp specialization (the fp8 and MODEL1 kernels) ----------------------------------
@@ -409,8 +413,8 @@ __device__ __forceinline__ void att_produce_fp8(const u8* __restrict__ kv,
         const int buf = (t - t_first) & 1;
         const u32 sk = base + ATT_OFF_K + buf * ATT_TILE;
         const int raw3 = att_slot_raw(irow, 0, nk_end, (t + 3) * 64 + mine);
-        const int next = att_slot_ok(raw1, num_slots) ? raw1 : -1;
-        const int ahead = att_slot_ok(raw2, num_slots) ? raw2 : -1;
+        const int next = att_slot_checked(raw1, num_slots);
+        const int ahead = att_slot_checked(raw2, num_slots);
         att_load_pass(b, kv, slot, 8, lane);
         if (t - t_first >= 2) att_bar_sync(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);
         att_copy_rope(kv, slot, sk, row0, lane);
@@ -855,7 +859,7 @@ __device__ __forceinline__ void att_pp_slots(int (&s0)[4], int (&s1)[4], const A
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const int j = t0 * 64 + (i >> 2) * 64 + att_pp_row(pt, i & 3);
-        const int slot = j < w.nk_end && att_slot_ok(v[i], num_slots) ? v[i] : -1;
+        const int slot = j < w.nk_end ? att_slot_checked(v[i], num_slots) : -1;
         if (i < 4) s0[i] = slot;
         else s1[i - 4] = slot;
     }
