@@ -18,11 +18,11 @@ difference to ``base`` is what that part adds to the critical path:
   the validity flags and the barriers): the math side alone;
 - ``prodonly_nodeq`` / ``prodonly_local``: ``nommas`` with ``nodeq`` / ``localslots``
   (the producer alone without its arithmetic / without HBM latency);
-- ``halfprod``: the producer loads, dequantizes and stores rows 0..7 of its warp's 16
-  only (what each producer of a 2-CTA cluster sharing a tile would do); ``halfload``:
-  loads those 8 rows but dequantizes and stores them twice (the kernel's arithmetic and
-  shared-memory stores with half its loads); ``halfload_nommas``: ``halfload`` without
-  the products.
+- ``halfprod``: only the first producer warpgroup loads, dequantizes and stores its
+  rows (0..31 of each tile; what each CTA of a 2-CTA cluster sharing a tile would do);
+  ``halfload``: the second one loads nothing but dequantizes and stores what its
+  registers hold (the kernel's arithmetic and shared-memory stores with half its loads);
+  ``halfload_nommas``: ``halfload`` without the products.
 
 The outputs of the variants are wrong by construction; only the times mean something.
 Results: stdout and ``$OUT/profile_attention.json`` when set.
@@ -39,12 +39,13 @@ removed), ``noscale`` (the scale taken as 1, not from the row's scale word),
 ``nocodes`` (no code loads), ``noloads`` (neither); ``$OUT/profile_attention_model1.json``.
 
 ``trace`` (``python3 -m benchmarks.profile_attention trace``) instead records, in the
-first CTAs of one B=128 call, the SM clock (``clock64``) at five points of every tile:
-the producer's loop top, after its EMPTY wait, before its FULL arrive; math warpgroup 0
-(the one that waits for FULL) after its FULL wait and after its P V. It prints the median
-cycles a tile of each side's work and of each wait (which side waits for which), the
-numbers the ablations only infer. The traced kernel is the base kernel plus those
-stores (a few cycles a tile); its output is right.
+first CTAs of one B=128 call, the SM clock (``clock64``) at points of every tile: math
+warpgroup 0 (the one that waits for FULL) after its FULL wait and after its P V (the
+layout has slots for the producer's loop top, EMPTY wait and FULL arrive, which the
+80-register producer cannot stamp without spilling: ``TRACE_STAMPED``). It prints the
+median cycles a tile of the math side's work and of its wait for data, the numbers the
+ablations only infer. The traced kernel is the base kernel plus those stores (a few
+cycles a tile); its output is right.
 """
 
 import json
@@ -61,25 +62,26 @@ from benchmarks import harness
 # else. Without QK^T, S is zeros (a defined softmax); without P V, O is left as it was.
 _DEC_QK = ("            att_pp_qk<0, D / 64, true>(s, sq, sk);\n",
            "#pragma unroll\n            for (int i = 0; i < 32; ++i) s[i] = 0.f;\n")
-_DEC_PV0 = ("            att_pp_pv_regs(st.o, pk, sk, 0);\n",
+_DEC_PV0 = ("            att_pp_pv_regs<128>(st.o, pk, sk, 0);\n",
             "            cps_fence_regs(pk);\n")
-_DEC_PV1 = ("            att_pp_pv_smem(st.o, sp, sk, 1);\n", "")
+_DEC_PV1 = ("            att_pp_pv_smem<128>(st.o, sp, sk, 1);\n", "")
 _QK = ("    for (int ks = 0; ks < KSTEPS; ++ks) {", "    for (int ks = 0; ks < 0; ++ks) {")
 _PV = ("        att_wgmma_m64n256_kmn(st.o, cps_wgmma_desc(sp + ks * 32, 16, 1024),",
        "        if (0) att_wgmma_m64n256_kmn(st.o, cps_wgmma_desc(sp + ks * 32, 16, 1024),")
 _DQ = "__device__ __forceinline__ void att_dequant4(u32 w, float scale, u32& out01, u32& out23) {"
 _NODEQ = (_DQ, _DQ + " out01 = w; out23 = w ^ __float_as_uint(scale); return;")
-_LOCAL = ("    const int slot = irow != nullptr ? __ldg(irow + j) : rbase + j;",
-          "    const int slot = irow != nullptr ? (j & 63) : rbase + j;")
+_LOCAL = ("    return j < nk ? __ldg(irow + j) : -1;", "    return j < nk ? (j & 63) : -1;")
 # Half the producer's rows (what the two CTAs of a cluster would each load if they shared
-# one tile's dequantized keys): rows 8..15 of each warp not loaded; halfload dequantizes
-# and stores rows 0..7's registers there too (the arithmetic and the shared-memory
-# traffic stay), halfprod leaves them.
-_HALF_LOAD = ("        att_load_pass(b, kv, slot, 8, lane);\n", "")
-_HALF_STORE = ("        att_store_pass(b, sk, row0 + 8, lane);\n", "")
-_TWICE_STORE = ("        att_store_pass(a, sk, row0, lane);\n",
-                "        att_store_pass(a, sk, row0, lane);\n"
-                "        att_store_pass(a, sk, row0 + 8, lane);\n")
+# one tile's dequantized keys): the second producer warpgroup (warps 4..7) loads nothing;
+# halfload still dequantizes and stores its registers (zeros: the arithmetic and the
+# shared-memory traffic stay), halfprod does not.
+_HALF_LOAD = ("        att_load_pass(a, kv, next, 0, lane);\n",
+              "        if (pw < 4) att_load_pass(a, kv, next, 0, lane);\n")
+_HALF_LOAD0 = ("    att_load_pass(a, kv, slot, 0, lane);\n    for (int t = t_first; t < t_end; ++t) {\n",
+               "    a = AttPass{};\n    if (pw < 4) att_load_pass(a, kv, slot, 0, lane);\n"
+               "    for (int t = t_first; t < t_end; ++t) {\n")
+_HALF_STORE = ("        att_store_pass(a, sk, row0, lane);\n",
+               "        if (pw < 4) att_store_pass(a, sk, row0, lane);\n")
 VARIANTS = {
     "base": [],
     "nommas": [_DEC_QK, _DEC_PV0, _DEC_PV1],
@@ -87,16 +89,15 @@ VARIANTS = {
     "nopv": [_DEC_PV0, _DEC_PV1],
     "nodeq": [_NODEQ],
     "localslots": [_LOCAL],
-    "noprod": [("    att_load_pass(a, kv, slot, 0, lane);\n", ""),
-               _HALF_LOAD,
-               ("        att_copy_rope(kv, slot, sk, row0, lane);\n", ""),
+    "noprod": [(_HALF_LOAD0[0], "    for (int t = t_first; t < t_end; ++t) {\n"),
+               ("        att_copy_rope<8>(kv, slot, sk, row0, lane);\n", ""),
                ("        att_store_pass(a, sk, row0, lane);\n", ""),
-               ("        att_prefetch_record(kv, ahead, lane >> 4);\n", ""),
-               ("        att_load_pass(a, kv, next, 0, lane);\n", ""),
-               _HALF_STORE],
-    "halfprod": [_HALF_LOAD, _HALF_STORE],
-    "halfload": [_HALF_LOAD, _HALF_STORE, _TWICE_STORE],
-    "halfload_nommas": [_DEC_QK, _DEC_PV0, _DEC_PV1, _HALF_LOAD, _HALF_STORE, _TWICE_STORE],
+               ("        att_prefetch_record<4>(kv, att_slot_checked(raw2, num_slots), lane >> 3);\n",
+                ""),
+               ("        att_load_pass(a, kv, next, 0, lane);\n", "")],
+    "halfprod": [_HALF_LOAD0, _HALF_LOAD, _HALF_STORE],
+    "halfload": [_HALF_LOAD0, _HALF_LOAD],
+    "halfload_nommas": [_DEC_QK, _DEC_PV0, _DEC_PV1, _HALF_LOAD0, _HALF_LOAD],
     "prodonly_nodeq": [_DEC_QK, _DEC_PV0, _DEC_PV1, _NODEQ],
     "prodonly_local": [_DEC_QK, _DEC_PV0, _DEC_PV1, _LOCAL],
 }
@@ -131,9 +132,8 @@ MODEL1_WINDOW = 128
 # load) and ``nowrite`` (no epilogue): a CTA's fixed costs.
 _PP_QK = ("            att_wgmma_m64n64_kk(s, cps_wgmma_desc(sq + off, 16, 1024),",
           "            if (0) att_wgmma_m64n64_kk(s, cps_wgmma_desc(sq + off, 16, 1024),")
-_PP_PV_REGS = ("        att_wgmma_m64n256_rmn(o, a,", "        if (0) att_wgmma_m64n256_rmn(o, a,")
-_PP_PV_SMEM = ("        att_wgmma_m64n256_kmn(o, cps_wgmma_desc(sp + ks * 32, 16, 1024),",
-               "        if (0) att_wgmma_m64n256_kmn(o, cps_wgmma_desc(sp + ks * 32, 16, 1024),")
+_PP_PV_REGS = ("            att_wgmma_m64n256_rmn(o, a,", "            if (0) att_wgmma_m64n256_rmn(o, a,")
+_PP_PV_SMEM = ("            att_wgmma_m64n256_kmn(o, pa,", "            if (0) att_wgmma_m64n256_kmn(o, pa,")
 PREFILL_VARIANTS = {
     "base": [],
     "nocopies": [("        for (int b = B0; b < B1; ++b) cps_cp_async16(dst + b * ATT_BLK, "
@@ -158,6 +158,10 @@ PREFILL_ROWS = 8192
 # (anchor, replacement) must hit attention.cu once (tests/test_profile_attention.py).
 TRACE_CTAS, TRACE_TILES = 16, 40
 TRACE_EVENTS = ("producer_top", "producer_free", "producer_full", "math_full", "math_done")
+# The events the traced kernel stamps: math warpgroup 0's. The fp8 producer's warps run at
+# 80 registers (two producer warpgroups in the 512 x 128 pool) and any stamp there spilled
+# (4-24 bytes), which would time another producer; its events stay 0 (not reached).
+TRACE_STAMPED = (3, 4)
 _TRACE_DEF = (
     "#define ATT_LN2 0.693147180559945309f\n",
     "#define ATT_LN2 0.693147180559945309f\n"
@@ -168,28 +172,12 @@ _TRACE_DEF = (
     "}\n")
 TRACE = [
     _TRACE_DEF,
-    ("        att_load_pass(b, kv, slot, 8, lane);\n"
-     "        if (t - t_first >= 2) att_bar_sync(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);\n",
-     "        if (p == 0) att_trace_at(0, t - t_first);\n"
-     "        att_load_pass(b, kv, slot, 8, lane);\n"
-     "        if (t - t_first >= 2) att_bar_sync(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);\n"
-     "        if (p == 0) att_trace_at(1, t - t_first);\n"),
-    # (the fp8 producer's arrive: the MODEL1 producer's stores its passes otherwise)
-    ("        att_store_pass(b, sk, row0 + 8, lane);\n"
-     "        cps_cp_async_wait_all();\n"
-     "        cps_fence_proxy_async();                  // stores -> the async proxy (wgmma)\n"
-     "        att_bar_arrive(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);\n",
-     "        att_store_pass(b, sk, row0 + 8, lane);\n"
-     "        cps_cp_async_wait_all();\n"
-     "        cps_fence_proxy_async();                  // stores -> the async proxy (wgmma)\n"
-     "        if (p == 0) att_trace_at(2, t - t_first);\n"
-     "        att_bar_arrive(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);\n"),
     # math warpgroup 0 (thread 0): after its FULL wait, after its P V
     ("            att_bar_sync(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);\n",
      "            att_bar_sync(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);\n"
      "            if (tid == 0) att_trace_at(3, it - w.t_first);\n"),
-    ("            att_pp_pv_regs(st.o, pk, sk, 0);\n            cps_wgmma_wait<0>();\n",
-     "            att_pp_pv_regs(st.o, pk, sk, 0);\n            cps_wgmma_wait<0>();\n"
+    ("            att_pp_pv_regs<128>(st.o, pk, sk, 0);\n            cps_wgmma_wait<0>();\n",
+     "            att_pp_pv_regs<128>(st.o, pk, sk, 0);\n            cps_wgmma_wait<0>();\n"
      "            if (tid == 0) att_trace_at(4, it - w.t_first);\n"),
 ]
 
@@ -209,21 +197,22 @@ def trace_summary(stamps):
     import numpy as np
     s = np.asarray(stamps, dtype=np.int64)
     top, free, full, mfull, mdone = (s[:, e] for e in range(5))
-    ok = (top > 0) & (free > 0) & (full > 0) & (mfull > 0) & (mdone > 0)
+    ok = (mfull > 0) & (mdone > 0)                     # the math side's tiles
+    prod = ok & (top > 0) & (free > 0) & (full > 0)    # ... with the producer's stamps
     out = {}
 
     def med(name, x, mask):
         v = x[mask]
         out[name] = float(np.median(v)) if v.size else None
 
-    med("producer_tile", full - top, ok)               # loads, dequant, stores, waits
-    med("producer_empty_wait", free - top, ok)
-    med("producer_work", full - free, ok)
+    med("producer_tile", full - top, prod)             # loads, dequant, stores, waits
+    med("producer_empty_wait", free - top, prod)
+    med("producer_work", full - free, prod)
     med("math_tile", mdone - mfull, ok)                # QK^T, softmax, PV
     prev_done = np.concatenate([mfull[:, :1], mdone[:, :-1]], axis=1)
     nxt = ok & np.concatenate([np.zeros_like(ok[:, :1]), ok[:, :-1]], axis=1)
     med("math_full_wait", mfull - prev_done, nxt)       # math idle, waiting for data
-    med("handover", mfull - full, ok)                   # FULL arrive -> math starts
+    med("handover", mfull - full, prod)                 # FULL arrive -> math starts
     out["tiles"] = int(ok.sum())
     return out
 

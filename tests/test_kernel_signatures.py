@@ -399,7 +399,7 @@ def test_attention_launch_arguments_on_both_paths(monkeypatch):
 
     def want(call):                              # call 0: the checked path, 1: the memo's
         out, lse, part = (0x10000 + 0x100 * (3 * call + i) for i in range(3))
-        return [("cps_sparse_mla_fp8", (units * splits,), (katt.WS_THREADS,), katt.SMEM_BYTES,
+        return [("cps_sparse_mla_fp8", (units * splits,), (katt.DEC_THREADS,), katt.SMEM_BYTES,
                  (0x1000, 0, 0x3000, 0x2000, 2048, 2560, None, None, out, lse, 128, 512,
                   scale_log2, splits, part, None)),
                 ("cps_mla_combine", (128,), (128,), 0,

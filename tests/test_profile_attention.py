@@ -27,8 +27,8 @@ def test_a_stale_substitution_is_an_error(monkeypatch):
 def test_trace_substitutions_apply_once_each():
     base = raw_kernels.module_source("attention")
     src = P.variant_source(base, "trace")
-    assert src.count("att_trace_at(") == 1 + len(P.TRACE_EVENTS)     # definition + stamps
-    for event in range(len(P.TRACE_EVENTS)):
+    assert src.count("att_trace_at(") == 1 + len(P.TRACE_STAMPED)    # definition + stamps
+    for event in P.TRACE_STAMPED:
         assert f"att_trace_at({event}," in src
 
 
@@ -47,3 +47,7 @@ def test_trace_summary_reads_each_side_and_wait():
     assert got["producer_tile"] == 110 and got["math_tile"] == 50
     assert got["handover"] == 5
     assert got["math_full_wait"] == 200 - 50               # from tile i-1's end to FULL i
+    stamps[:, :3] = 0                                      # the math side's stamps alone
+    got = P.trace_summary(stamps)
+    assert got["tiles"] == 6 and got["math_tile"] == 50 and got["math_full_wait"] == 150
+    assert got["producer_tile"] is None and got["handover"] is None

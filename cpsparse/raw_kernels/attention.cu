@@ -4,9 +4,9 @@
 // decoding, chosen by the launcher when the units would leave SMs idle) each CTA
 // takes an equal share of the token's key tiles and writes a normalised partial row
 // and its lse, merged by cps_mla_combine at the end of this file. Every kernel runs
-// three warpgroups (384 threads): a producer warpgroup that fills two K buffers of
-// bf16 [64 keys x 576] in shared memory with the token's keys (top-k slots, or a
-// causal range for the dense route), and two math warpgroups:
+// a producer warpgroup (two in the fp8 decode: 512 threads, the others 384) that fills
+// two K buffers of bf16 [64 keys x 576] in shared memory with the token's keys (top-k
+// slots, or a causal range for the dense route), and two math warpgroups:
 //   - dense bf16 rows (cps_sparse_mla_bf16: prefill): the producer gathers the rows
 //     by 16-byte cp.async; the math warpgroups run FlashMLA's sparse-prefill
 //     "ping-pong" schedule ("the ping-pong kernel" below): warpgroup w owns every
@@ -43,10 +43,10 @@
 // wg holds heads 16wi + g (+8), g = lane / 4.
 // Shared cp.async / fence / wgmma helpers (cps_*): hopper.cuh.
 
-// ATT_WS_THREADS, ATT_SMEM_BYTES, ATT_MAX_SPLITS, ATT_REC_BYTES (the fp8_ds_mla record) and
-// ATT_M1_NOPE / ATT_M1_ROW / ATT_M1_SCALE_BYTES (the MODEL1 page layout) are #defined by
-// the launcher (raw_kernels/attention.py), which owns them; the tile layout below must
-// fit ATT_SMEM_BYTES (static_assert).
+// ATT_WS_THREADS, ATT_DEC_THREADS, ATT_SMEM_BYTES, ATT_MAX_SPLITS, ATT_REC_BYTES (the
+// fp8_ds_mla record) and ATT_M1_NOPE / ATT_M1_ROW / ATT_M1_SCALE_BYTES (the MODEL1 page
+// layout) are #defined by the launcher (raw_kernels/attention.py), which owns them; the
+// tile layout below must fit ATT_SMEM_BYTES (static_assert).
 #define ATT_D 576
 #define ATT_DV 512
 #define ATT_ROW_BYTES 1152          // bf16 row of the dense workspace
@@ -135,18 +135,14 @@ __device__ __forceinline__ void att_wgmma_m64n32_kk(float (&d)[16], u64 da, u64 
 #endif
 }
 
-// The 128 fp32 accumulators of an m64n256 wgmma: the operand list of the instruction
-// (%0..%127) and the matching in-out constraints.
-#define ATT_ACC128_REGS \
+// The fp32 accumulators of an m64n128 / m64n256 wgmma (64 / 128): the operand list of the
+// instruction (%0..) and the matching in-out constraints.
+#define ATT_ACC64_REGS \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
-    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
-    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
-    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-#define ATT_ACC128_OUT(d) \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define ATT_ACC64_OUT(d) \
     "+f"((d)[0]), "+f"((d)[1]), "+f"((d)[2]), "+f"((d)[3]), "+f"((d)[4]), "+f"((d)[5]), "+f"((d)[6]), "+f"((d)[7]), \
     "+f"((d)[8]), "+f"((d)[9]), "+f"((d)[10]), "+f"((d)[11]), "+f"((d)[12]), "+f"((d)[13]), "+f"((d)[14]), "+f"((d)[15]), \
     "+f"((d)[16]), "+f"((d)[17]), "+f"((d)[18]), "+f"((d)[19]), "+f"((d)[20]), "+f"((d)[21]), "+f"((d)[22]), "+f"((d)[23]), \
@@ -154,32 +150,14 @@ __device__ __forceinline__ void att_wgmma_m64n32_kk(float (&d)[16], u64 da, u64 
     "+f"((d)[32]), "+f"((d)[33]), "+f"((d)[34]), "+f"((d)[35]), "+f"((d)[36]), "+f"((d)[37]), "+f"((d)[38]), "+f"((d)[39]), \
     "+f"((d)[40]), "+f"((d)[41]), "+f"((d)[42]), "+f"((d)[43]), "+f"((d)[44]), "+f"((d)[45]), "+f"((d)[46]), "+f"((d)[47]), \
     "+f"((d)[48]), "+f"((d)[49]), "+f"((d)[50]), "+f"((d)[51]), "+f"((d)[52]), "+f"((d)[53]), "+f"((d)[54]), "+f"((d)[55]), \
-    "+f"((d)[56]), "+f"((d)[57]), "+f"((d)[58]), "+f"((d)[59]), "+f"((d)[60]), "+f"((d)[61]), "+f"((d)[62]), "+f"((d)[63]), \
-    "+f"((d)[64]), "+f"((d)[65]), "+f"((d)[66]), "+f"((d)[67]), "+f"((d)[68]), "+f"((d)[69]), "+f"((d)[70]), "+f"((d)[71]), \
-    "+f"((d)[72]), "+f"((d)[73]), "+f"((d)[74]), "+f"((d)[75]), "+f"((d)[76]), "+f"((d)[77]), "+f"((d)[78]), "+f"((d)[79]), \
-    "+f"((d)[80]), "+f"((d)[81]), "+f"((d)[82]), "+f"((d)[83]), "+f"((d)[84]), "+f"((d)[85]), "+f"((d)[86]), "+f"((d)[87]), \
-    "+f"((d)[88]), "+f"((d)[89]), "+f"((d)[90]), "+f"((d)[91]), "+f"((d)[92]), "+f"((d)[93]), "+f"((d)[94]), "+f"((d)[95]), \
-    "+f"((d)[96]), "+f"((d)[97]), "+f"((d)[98]), "+f"((d)[99]), "+f"((d)[100]), "+f"((d)[101]), "+f"((d)[102]), "+f"((d)[103]), \
-    "+f"((d)[104]), "+f"((d)[105]), "+f"((d)[106]), "+f"((d)[107]), "+f"((d)[108]), "+f"((d)[109]), "+f"((d)[110]), "+f"((d)[111]), \
-    "+f"((d)[112]), "+f"((d)[113]), "+f"((d)[114]), "+f"((d)[115]), "+f"((d)[116]), "+f"((d)[117]), "+f"((d)[118]), "+f"((d)[119]), \
-    "+f"((d)[120]), "+f"((d)[121]), "+f"((d)[122]), "+f"((d)[123]), "+f"((d)[124]), "+f"((d)[125]), "+f"((d)[126]), "+f"((d)[127])
-
-__device__ __forceinline__ void att_wgmma_m64n256_kmn(float (&d)[128], u64 da, u64 db, int accumulate) {
-#if CPS_HAS_WGMMA
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "setp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-        "{"
-        ATT_ACC128_REGS
-        "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
-        :
-        ATT_ACC128_OUT(d)
-        : "l"(da), "l"(db), "r"(accumulate));
-#else
-    CPS_WGMMA_MISSING();
-#endif
-}
+    "+f"((d)[56]), "+f"((d)[57]), "+f"((d)[58]), "+f"((d)[59]), "+f"((d)[60]), "+f"((d)[61]), "+f"((d)[62]), "+f"((d)[63])
+#define ATT_ACC128_REGS \
+    ATT_ACC64_REGS ", " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define ATT_ACC128_OUT(d) ATT_ACC64_OUT(d), ATT_ACC64_OUT((d) + 64)
 
 __device__ __forceinline__ void att_wgmma_m64n64_kk(float (&d)[32], u64 da, u64 db, int accumulate) {
 #if CPS_HAS_WGMMA
@@ -202,23 +180,45 @@ __device__ __forceinline__ void att_wgmma_m64n64_kk(float (&d)[32], u64 da, u64 
 #endif
 }
 
-__device__ __forceinline__ void att_wgmma_m64n256_rmn(float (&d)[128], const u32 (&a)[4], u64 db,
-                                                      int accumulate) {
+// The P V products, m64nN with A K-major from shared memory (_kmn) or from registers
+// (_rmn), B MN-major (trans-b): N = 256 (128 accumulators) and N = 128 (64; the fp8
+// decode's, two a k-step over a warpgroup's 256 columns: its CTA of 512 threads launches
+// at 128 registers a thread, and ptxas will not place an m64n256 wgmma, 158 registers
+// live, under that target, whatever the region's setmaxnreg). ACC: the accumulator count;
+// IA (A from registers: IA0..IA3) / IB / IP: the operand numbers of A, B and the
+// accumulate flag after the ACC accumulators.
 #if CPS_HAS_WGMMA
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "setp.ne.b32 p, %133, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-        "{"
-        ATT_ACC128_REGS
-        "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
-        :
-        ATT_ACC128_OUT(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+#define ATT_WGMMA_PV_KMN(NAME, N, ACC, ACC_REGS, ACC_OUT, IA, IB, IP)                         \
+    __device__ __forceinline__ void NAME(float (&d)[ACC], u64 da, u64 db, int accumulate) {   \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                        \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 "              \
+                     "{" ACC_REGS "}, %" #IA ", %" #IB ", p, 1, 1, 0, 1;\n}\n"                 \
+                     : ACC_OUT(d) : "l"(da), "l"(db), "r"(accumulate));                       \
+    }
+#define ATT_WGMMA_PV_RMN(NAME, N, ACC, ACC_REGS, ACC_OUT, IA0, IA1, IA2, IA3, IB, IP)         \
+    __device__ __forceinline__ void NAME(float (&d)[ACC], const u32 (&a)[4], u64 db,          \
+                                         int accumulate) {                                    \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                        \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 "              \
+                     "{" ACC_REGS "}, {%" #IA0 ", %" #IA1 ", %" #IA2 ", %" #IA3 "}, %" #IB     \
+                     ", p, 1, 1, 1;\n}\n"                                                      \
+                     : ACC_OUT(d)                                                             \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate)); \
+    }
 #else
-    CPS_WGMMA_MISSING();
+#define ATT_WGMMA_PV_KMN(NAME, N, ACC, ACC_REGS, ACC_OUT, IA, IB, IP)                         \
+    __device__ __forceinline__ void NAME(float (&d)[ACC], u64, u64, int) { CPS_WGMMA_MISSING(); }
+#define ATT_WGMMA_PV_RMN(NAME, N, ACC, ACC_REGS, ACC_OUT, IA0, IA1, IA2, IA3, IB, IP)         \
+    __device__ __forceinline__ void NAME(float (&d)[ACC], const u32 (&)[4], u64, int) {       \
+        CPS_WGMMA_MISSING();                                                                  \
+    }
 #endif
-}
+ATT_WGMMA_PV_KMN(att_wgmma_m64n256_kmn, 256, 128, ATT_ACC128_REGS, ATT_ACC128_OUT, 128, 129, 130)
+ATT_WGMMA_PV_RMN(att_wgmma_m64n256_rmn, 256, 128, ATT_ACC128_REGS, ATT_ACC128_OUT,
+                 128, 129, 130, 131, 132, 133)
+ATT_WGMMA_PV_KMN(att_wgmma_m64n128_kmn, 128, 64, ATT_ACC64_REGS, ATT_ACC64_OUT, 64, 65, 66)
+ATT_WGMMA_PV_RMN(att_wgmma_m64n128_rmn, 128, 64, ATT_ACC64_REGS, ATT_ACC64_OUT,
+                 64, 65, 66, 67, 68, 69)
 
 __device__ __forceinline__ void att_st_f32(u32 addr, float v) {
     asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(addr), "f"(v) : "memory");
@@ -230,6 +230,9 @@ __device__ __forceinline__ float att_ld_f32(u32 addr) {
 }
 __device__ __forceinline__ void att_st_u16(u32 addr, u32 v) {
     asm volatile("st.shared.u16 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void att_st_u8(u32 addr, u32 v) {
+    asm volatile("st.shared.u8 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
 }
 __device__ __forceinline__ void att_st_s32(u32 addr, int v) {
     asm volatile("st.shared.s32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
@@ -260,6 +263,13 @@ __device__ __forceinline__ int att_slot_raw(const int* __restrict__ irow, int rb
     return slot;
 }
 
+// Top-k entry j of a token's row irow, -1 past nk; not yet checked. The fp8 decode's
+// producer (indices always given): att_slot_raw's null-row branch cost its 80-register
+// warps a spilled register.
+__device__ __forceinline__ int att_entry(const int* __restrict__ irow, int nk, int j) {
+    return j < nk ? __ldg(irow + j) : -1;
+}
+
 // Slot of key j (< nk) of this CTA's token; -1 when masked or out of range.
 __device__ __forceinline__ int att_slot(const int* __restrict__ irow, int rbase, int nk, int j,
                                         int num_slots) {
@@ -267,10 +277,10 @@ __device__ __forceinline__ int att_slot(const int* __restrict__ irow, int rbase,
 }
 
 // ---- warp specialization (the fp8 and MODEL1 kernels) ----------------------------------
-// Three warpgroups: two math warpgroups (threads 0..255: QK^T, softmax, PV, att_consume)
-// and one producer warpgroup (threads 256..383) that reads the records, dequantizes them
-// into the two K buffers and hands each over through named barriers, so dequantization
-// overlaps the MMAs.
+// Two math warpgroups (threads 0..255: QK^T, softmax, PV, att_consume) and one producer
+// warpgroup (threads 256..383; the fp8 decode two, 256..511) that reads the records,
+// dequantizes them into the two K buffers and hands each over through named barriers, so
+// dequantization overlaps the MMAs.
 // Barrier 0 (__syncthreads) is never used after the roles split:
 //   ATT_BAR_MATH       the 256 math threads (row max / sum exchange, Q ready);
 //   ATT_BAR_FULL + b   K buffer b stored (producer arrives, math threads wait: both
@@ -281,8 +291,12 @@ __device__ __forceinline__ int att_slot(const int* __restrict__ irow, int rbase,
 #define ATT_BAR_FULL 2
 #define ATT_BAR_EMPTY 4
 #define ATT_MATH_THREADS 256
-#define ATT_DEC_FULL_THREADS 256   // FULL of the fp8 decode: producer + math warpgroup 0
 static_assert(ATT_WS_THREADS == ATT_MATH_THREADS + 128, "two math warpgroups + one producer");
+// The fp8 decode (cps_sparse_mla_fp8) runs two producer warpgroups: ATT_DEC_THREADS
+// (#defined by the launcher) = the two math warpgroups + 256 producer threads; its FULL
+// barriers count the producers and math warpgroup 0.
+static_assert(ATT_DEC_THREADS == ATT_MATH_THREADS + 256, "two math + two producer warpgroups");
+#define ATT_DEC_FULL_THREADS (256 + 128)
 
 // Not the .aligned forms (bar.sync / bar.arrive): the producer reaches them after
 // branches on its rows' validity, where a warp need not be converged.
@@ -340,34 +354,39 @@ __device__ __forceinline__ void att_load_pass(AttPass& r, const u8* __restrict__
     }
 }
 
-// Registers -> bf16 rows row0..row0+7 of the tile at sk: chunk l lies in 64-dim block
-// l / 4, 16-byte chunks 2 (l % 4) and 2 (l % 4) + 1 of the swizzled row. Lanes from
-// LANES on hold no codes and store nothing (MODEL1: 28 chunks of 448 codes; the block
-// lane 28 would write is the RoPE block).
+// Registers -> bf16 rows row0..row0+7 of the tile at sk (row0 a multiple of 8, so row
+// row0 + k has swizzle k): chunk l lies in 64-dim block l / 4, 16-byte chunks 2 (l % 4)
+// and 2 (l % 4) + 1 of the swizzled row. Lanes from LANES on hold no codes and store
+// nothing (MODEL1: 28 chunks of 448 codes; the block lane 28 would write is the RoPE
+// block). Chunk (2q) ^ k of row k, q = l % 4, is 2 (q ^ (k >> 1)) + (k & 1) and its pair
+// (2q + 1) ^ k is 2 (q ^ (k >> 1)) + 1 - (k & 1): four lane-dependent bases (q ^ j, j =
+// k >> 1) and immediates, where ptxas otherwise held the 16 chunk offsets of the pass in
+// registers across the tile loop (the 80-register producer of the fp8 decode spilled).
 template <int LANES = 32>
 __device__ __forceinline__ void att_store_pass(const AttPass& r, u32 sk, int row0, int lane) {
     if (LANES < 32 && lane >= LANES) return;
+    const int q = lane & 3;
+    const u32 blk = sk + row0 * 128 + (lane >> 2) * ATT_BLK;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-        const int row = row0 + k, sw = row & 7;
         uint4 a, b;
         att_dequant4(r.codes[k].x, r.scales[k], a.x, a.y);
         att_dequant4(r.codes[k].y, r.scales[k], a.z, a.w);
         att_dequant4(r.codes[k].z, r.scales[k], b.x, b.y);
         att_dequant4(r.codes[k].w, r.scales[k], b.z, b.w);
-        const u32 blk = sk + row * 128 + (lane >> 2) * ATT_BLK;
-        const int q = lane & 3;
-        att_st_v4(blk + (((2 * q) ^ sw) << 4), a);
-        att_st_v4(blk + (((2 * q + 1) ^ sw) << 4), b);
+        const u32 row = blk + (((q ^ (k >> 1)) << 5)) + k * 128;
+        att_st_v4(row + ((k & 1) << 4), a);
+        att_st_v4(row + ((1 - (k & 1)) << 4), b);
     }
 }
 
-// The 64 bf16 RoPE values (block 8) of the warp's 16 rows by cp.async (slot of row
-// row0 + k in lane k); zero-filled and unread when masked.
+// The 64 bf16 RoPE values (block 8) of the warp's ROWS rows (16 or 8) by cp.async (slot
+// of row row0 + k in lane k); zero-filled and unread when masked.
+template <int ROWS = 16>
 __device__ __forceinline__ void att_copy_rope(const u8* __restrict__ kv, int slots, u32 sk,
                                               int row0, int lane) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < ROWS / 4; ++j) {
         const int idx = lane + 32 * j, k = idx >> 3, c = idx & 7;
         const int slot = __shfl_sync(0xffffffffu, slots, k);
         const bool v = slot >= 0;
@@ -377,55 +396,61 @@ __device__ __forceinline__ void att_copy_rope(const u8* __restrict__ kv, int slo
     }
 }
 
-// Pull one record (656 bytes, up to 7 lines of 128) into L2 ahead of its load: half 0
-// touches bytes 0..384, half 1 bytes 512, 640 and the last one, 655.
+// Pull one record (656 bytes, up to 7 lines of 128) into L2 ahead of its load, PARTS
+// lanes sharing it: part q touches bytes 128 k for k in [8 q / PARTS, 8 (q + 1) / PARTS),
+// clamped to the record's last byte (655). PARTS 2: half 0 bytes 0..384, half 1 bytes
+// 512, 640 and 655; PARTS 4: quarters 0..128, 256..384, 512..640 and 655.
+template <int PARTS = 2>
 __device__ __forceinline__ void att_prefetch_record(const u8* __restrict__ kv, int slot,
-                                                    int half) {
+                                                    int part) {
     if (slot < 0) return;
     const u8* rec = kv + (size_t)slot * ATT_REC_BYTES;
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-        asm volatile("prefetch.global.L2 [%0];\n"
-                     :: "l"(rec + (half ? min(512 + 128 * k, ATT_REC_BYTES - 1) : 128 * k)));
+    for (int k = 0; k < 8 / PARTS; ++k) {
+        const int off = min(128 * (part * (8 / PARTS) + k), ATT_REC_BYTES - 1);
+        asm volatile("prefetch.global.L2 [%0];\n" :: "l"(rec + off));
+    }
 }
 
-// The producer warpgroup: warp pw (0..3) owns rows 16 pw..16 pw+15 of every tile of
-// the share, in two passes of 8 rows; one pass is in flight while the other is
-// dequantized, and records two tiles ahead are pulled into L2. Lane l (and l + 16)
-// holds the slot of row 16 pw + l % 16. The top-k entries are loaded three tiles ahead
-// into a register queue (tiles t + 1, t + 2 held, t + 3 in flight): loaded in the tile
-// that used them, their wait was a third of the producer's stall samples (Nsight,
-// B=128). Each warp writes its 16 bits of the tile's key mask (a u64 at ATT_OFF_VALID +
-// 8 buf, bit r: row r valid) before FULL, which it shares with math warpgroup 0 only
-// (the fp8 decode schedule).
+// The fp8 decode's two producer warpgroups (threads p = 0..255 of them): warp pw (0..7)
+// owns rows 8 pw..8 pw+7 of every tile of the share, one pass of 8 rows a tile: the pass
+// of tile t + 1 is loaded as soon as tile t's is dequantized and stored, so it is in
+// flight while the warp hands tile t over and waits for the next buffer. Records two
+// tiles ahead are pulled into L2. Lane l holds the slot of row 8 pw + l % 8. The top-k
+// entries are loaded three tiles ahead into a register queue (tiles t + 1, t + 2 held,
+// t + 3 in flight): loaded in the tile that used them, their wait was a third of the
+// producer's stall samples (Nsight, B=128). Each warp writes its 8 bits of the tile's
+// key mask (a u64 at ATT_OFF_VALID + 8 buf, bit r: row r valid) before FULL, which it
+// shares with math warpgroup 0 only (the fp8 decode schedule). Why two warpgroups of 8
+// rows a warp and not one of 16: the one-warpgroup producer was the kernel's bound at
+// B=128 (its instruction stream, one warp a scheduler: with half the rows a warp the
+// kernel ran 20% faster), and two warps a scheduler overlap each other's waits.
 __device__ __forceinline__ void att_produce_fp8(const u8* __restrict__ kv,
                                                 const int* __restrict__ irow, int nk_end,
                                                 int num_slots, int t_first, int t_end,
                                                 u32 base, int p) {
-    const int lane = p & 31, row0 = (p >> 5) * 16, mine = row0 + (lane & 15);
-    AttPass a, b;
+    const int lane = p & 31, pw = p >> 5, row0 = pw * 8, mine = row0 + (lane & 7);
+    AttPass a;
     // (keys past nk_end, so every tile past t_end, are -1)
-    int slot = att_slot(irow, 0, nk_end, t_first * 64 + mine, num_slots);
-    int raw1 = att_slot_raw(irow, 0, nk_end, (t_first + 1) * 64 + mine);
-    int raw2 = att_slot_raw(irow, 0, nk_end, (t_first + 2) * 64 + mine);
+    int slot = att_slot_checked(att_entry(irow, nk_end, t_first * 64 + mine), num_slots);
+    int raw1 = att_entry(irow, nk_end, (t_first + 1) * 64 + mine);
+    int raw2 = att_entry(irow, nk_end, (t_first + 2) * 64 + mine);
     att_load_pass(a, kv, slot, 0, lane);
     for (int t = t_first; t < t_end; ++t) {
         const int buf = (t - t_first) & 1;
         const u32 sk = base + ATT_OFF_K + buf * ATT_TILE;
-        const int raw3 = att_slot_raw(irow, 0, nk_end, (t + 3) * 64 + mine);
-        const int next = att_slot_checked(raw1, num_slots);
-        const int ahead = att_slot_checked(raw2, num_slots);
-        att_load_pass(b, kv, slot, 8, lane);
-        if (t - t_first >= 2) att_bar_sync(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);
-        att_copy_rope(kv, slot, sk, row0, lane);
-        {   // bits 16 pw .. 16 pw + 15 of the tile's key mask (lanes l and l + 16 agree)
-            const u32 bits = __ballot_sync(0xffffffffu, slot >= 0) & 0xffffu;
-            if (lane == 0) att_st_u16(base + ATT_OFF_VALID + buf * 8 + 2 * (p >> 5), bits);
+        const int raw3 = att_entry(irow, nk_end, (t + 3) * 64 + mine);
+        if (t - t_first >= 2) att_bar_sync(ATT_BAR_EMPTY + buf, ATT_DEC_THREADS);
+        att_copy_rope<8>(kv, slot, sk, row0, lane);
+        {   // bits 8 pw .. 8 pw + 7 of the tile's key mask (lanes l, l + 8, ... agree)
+            const u32 bits = __ballot_sync(0xffffffffu, slot >= 0) & 0xffu;
+            if (lane == 0) att_st_u8(base + ATT_OFF_VALID + buf * 8 + pw, bits);
         }
         att_store_pass(a, sk, row0, lane);
-        att_prefetch_record(kv, ahead, lane >> 4);
+        // (the queue's slots checked where used: not live across the dequantization)
+        att_prefetch_record<4>(kv, att_slot_checked(raw2, num_slots), lane >> 3);
+        const int next = att_slot_checked(raw1, num_slots);
         att_load_pass(a, kv, next, 0, lane);
-        att_store_pass(b, sk, row0 + 8, lane);
         cps_cp_async_wait_all();
         cps_fence_proxy_async();                  // stores -> the async proxy (wgmma)
         att_bar_arrive(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);
@@ -1020,27 +1045,45 @@ __device__ __forceinline__ void att_pp_softmax(float (&s)[32], u32 (&pk)[16], At
     }
 }
 
-// O[:, 256 half..] += P V over the tile at sk: P from registers (pk), committed.
+// O[:, 256 half..] += P V over the tile at sk: P from registers (pk), committed. N: the
+// instruction's width, 256 (one m64n256 a k-step) or 128 (two m64n128, O's column halves:
+// the accumulator of column c of an m64nN wgmma is the same register index for any N).
+template <int N = 256>
 __device__ __forceinline__ void att_pp_pv_regs(float (&o)[128], const u32 (&pk)[16], u32 sk,
                                                int half) {
     cps_wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
         const u32 a[4] = {pk[4 * ks], pk[4 * ks + 1], pk[4 * ks + 2], pk[4 * ks + 3]};
-        att_wgmma_m64n256_rmn(o, a, cps_wgmma_desc(sk + half * 4 * ATT_BLK + ks * 2048,
-                                                   ATT_BLK, 1024), 1);
+        const u32 v = sk + half * 4 * ATT_BLK + ks * 2048;
+        if constexpr (N == 256) {
+            att_wgmma_m64n256_rmn(o, a, cps_wgmma_desc(v, ATT_BLK, 1024), 1);
+        } else {
+            att_wgmma_m64n128_rmn(*reinterpret_cast<float(*)[64]>(o), a,
+                                  cps_wgmma_desc(v, ATT_BLK, 1024), 1);
+            att_wgmma_m64n128_rmn(*reinterpret_cast<float(*)[64]>(o + 64), a,
+                                  cps_wgmma_desc(v + 2 * ATT_BLK, ATT_BLK, 1024), 1);
+        }
     }
     cps_wgmma_commit();
 }
 
 // The same with P from shared memory at sp (the other warpgroup's), committed.
+template <int N = 256>
 __device__ __forceinline__ void att_pp_pv_smem(float (&o)[128], u32 sp, u32 sk, int half) {
     cps_wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-        att_wgmma_m64n256_kmn(o, cps_wgmma_desc(sp + ks * 32, 16, 1024),
-                              cps_wgmma_desc(sk + half * 4 * ATT_BLK + ks * 2048, ATT_BLK, 1024),
-                              1);
+        const u64 pa = cps_wgmma_desc(sp + ks * 32, 16, 1024);
+        const u32 v = sk + half * 4 * ATT_BLK + ks * 2048;
+        if constexpr (N == 256) {
+            att_wgmma_m64n256_kmn(o, pa, cps_wgmma_desc(v, ATT_BLK, 1024), 1);
+        } else {
+            att_wgmma_m64n128_kmn(*reinterpret_cast<float(*)[64]>(o), pa,
+                                  cps_wgmma_desc(v, ATT_BLK, 1024), 1);
+            att_wgmma_m64n128_kmn(*reinterpret_cast<float(*)[64]>(o + 64), pa,
+                                  cps_wgmma_desc(v + 2 * ATT_BLK, ATT_BLK, 1024), 1);
+        }
     }
     cps_wgmma_commit();
 }
@@ -1069,13 +1112,17 @@ __device__ __forceinline__ void att_pp_store_p(u32 sp, const u32 (&pk)[16], int 
 // waits), P_READY (warpgroup 0 arrives, 1 waits), P_FREE (the reverse: P and the row max
 // of the tile before are read). The tile's key mask: the producer's u64 at
 // ATT_OFF_VALID + 8 b. Registers: warpgroup 0 holds O's half, S and P (192 a thread),
-// warpgroup 1 O's half (160), the producer 152: the pool of 384 x 168 exactly.
+// warpgroup 1 O's half (160), each producer warpgroup 80 (one pass of 8 rows): the pool of
+// 512 x 128 exactly (__launch_bounds__(512, 1): 128 a thread at launch; ptxas allocates
+// each region to its setmaxnreg count, tests/test_kernel_compile.py checks no spill).
 #define ATT_BAR_P_READY 6
 #define ATT_BAR_P_FREE 7
 #define ATT_DEC_WG0_REGS 192
 #define ATT_DEC_WG1_REGS 160
-static_assert(128 * (ATT_PRODUCER_REGS + ATT_DEC_WG0_REGS + ATT_DEC_WG1_REGS) <=
-                  ATT_WS_THREADS * ATT_LAUNCH_REGS,
+#define ATT_DEC_PRODUCER_REGS 80
+#define ATT_DEC_LAUNCH_REGS 128
+static_assert(128 * (2 * ATT_DEC_PRODUCER_REGS + ATT_DEC_WG0_REGS + ATT_DEC_WG1_REGS) <=
+                  ATT_DEC_THREADS * ATT_DEC_LAUNCH_REGS,
               "setmaxnreg split exceeds the CTA's register pool");
 
 // Math warpgroup WG of the fp8 decode. 0: QK^T, softmax, P V over value columns 0..255.
@@ -1115,10 +1162,10 @@ __device__ __forceinline__ void att_dec_math(const void* __restrict__ q, int q_h
             cps_fence_proxy_async();              // P -> the async proxy (wgmma)
             att_bar_arrive(ATT_BAR_P_READY, ATT_MATH_THREADS);
             cps_fence_regs(st.o);
-            att_pp_pv_regs(st.o, pk, sk, 0);
+            att_pp_pv_regs<128>(st.o, pk, sk, 0);
             cps_wgmma_wait<0>();
             cps_fence_regs(st.o);
-            if (it + 2 < w.t_end) att_bar_arrive(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);
+            if (it + 2 < w.t_end) att_bar_arrive(ATT_BAR_EMPTY + buf, ATT_DEC_THREADS);
         } else {
             att_bar_sync(ATT_BAR_P_READY, ATT_MATH_THREADS);
             const float n0 = att_ld_f32(s_max + 4 * r0), n1 = att_ld_f32(s_max + 4 * r1);
@@ -1126,10 +1173,10 @@ __device__ __forceinline__ void att_dec_math(const void* __restrict__ q, int q_h
             st.m0 = n0;
             st.m1 = n1;
             cps_fence_regs(st.o);
-            att_pp_pv_smem(st.o, sp, sk, 1);
+            att_pp_pv_smem<128>(st.o, sp, sk, 1);
             cps_wgmma_wait<0>();
             cps_fence_regs(st.o);
-            if (it + 2 < w.t_end) att_bar_arrive(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);
+            if (it + 2 < w.t_end) att_bar_arrive(ATT_BAR_EMPTY + buf, ATT_DEC_THREADS);
             if (it + 1 < w.t_end) att_bar_arrive(ATT_BAR_P_FREE, ATT_MATH_THREADS);
         }
     }
@@ -1138,14 +1185,14 @@ __device__ __forceinline__ void att_dec_math(const void* __restrict__ q, int q_h
 }
 
 // The fp8_ds_mla cache: warp-specialized (see "warp specialization" above).
-extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_fp8(ATT_PARAMS) {
+extern "C" __global__ void __launch_bounds__(ATT_DEC_THREADS, 1) cps_sparse_mla_fp8(ATT_PARAMS) {
     CPS_PDL_WAIT();
     extern __shared__ __align__(1024) u8 att_smem_raw[];
     const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
     const AttShare w = att_share(indices, topk, nullptr, row_len, H, splits);
     if (tid >= ATT_MATH_THREADS) {
-        cps_setmaxnreg_dec<ATT_PRODUCER_REGS>();
+        cps_setmaxnreg_dec<ATT_DEC_PRODUCER_REGS>();
         att_produce_fp8(kv, w.irow, w.nk_end, num_slots, w.t_first, w.t_end, base,
                         tid - ATT_MATH_THREADS);
         return;
@@ -1155,7 +1202,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_f
         att_dec_math<0, ATT_D>(q, q_half, w, H, base, scale_log2, out, lse, part_out, d_v,
                                splits, sink, tid);
     } else {
-        cps_setmaxnreg_dec<ATT_DEC_WG1_REGS>();
+        cps_setmaxnreg_inc<ATT_DEC_WG1_REGS>();
         att_dec_math<1, ATT_D>(q, q_half, w, H, base, scale_log2, out, lse, part_out, d_v,
                                splits, sink, tid);
     }

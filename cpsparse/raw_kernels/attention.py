@@ -45,6 +45,8 @@ THREADS = 256                   # the grid-stride kernels (conversions, slot map
 # The attention kernels (ATT_WS_THREADS): two math warpgroups and one producer warpgroup
 # that fills the K tiles (gathers bf16 rows, or reads and dequantizes fp8 records).
 WS_THREADS = 384
+# The fp8 decode kernel (ATT_DEC_THREADS) runs two producer warpgroups of 8 rows a warp.
+DEC_THREADS = 512
 # Dynamic shared memory of a CTA (ATT_SMEM_BYTES): the tiles attention.cu lays out
 # (Q, two K tiles, P, row max / sum, key validity: 230912 bytes, checked there by a
 # static_assert) plus 1024 bytes to align them to the 1024-byte swizzle atoms.
@@ -60,7 +62,7 @@ raw_kernels.register_module(
     "attention", ["common.cuh", "hopper.cuh", "attention.cu"], capabilities=raw_kernels.exactly((9, 0)),
     ops=("sparse_mla_attention", "dense_mla_attention", "local_to_global_slots"),
     needs="Hopper wgmma, compiled for sm_90a", pdl=True,
-    defines=dict(ATT_WS_THREADS=WS_THREADS, ATT_SMEM_BYTES=SMEM_BYTES, ATT_MAX_SPLITS=MAX_SPLITS,
+    defines=dict(ATT_WS_THREADS=WS_THREADS, ATT_DEC_THREADS=DEC_THREADS, ATT_SMEM_BYTES=SMEM_BYTES, ATT_MAX_SPLITS=MAX_SPLITS,
                  ATT_REC_BYTES=RECORD_BYTES,
                  # the MODEL1 page layout (cpsparse.reference.cache owns it)
                  ATT_M1_NOPE=cache_layout.MODEL1_NOPE, ATT_M1_ROW=cache_layout.MODEL1_ROW,
@@ -179,7 +181,8 @@ def prepare(cp, tokens, heads, topk, fp8, dense, sm_scale, d_v, splits=None):
     units, splits, fn, combine, scale_log2 = _plan(tokens, heads, topk,
                                                    "fp8" if fp8 else "bf16", dense,
                                                    sm_scale, splits)
-    launch = fn.launcher((units * splits,), (WS_THREADS,), SMEM_BYTES)
+    launch = fn.launcher((units * splits,), (DEC_THREADS if fp8 else WS_THREADS,),
+                         SMEM_BYTES)
     merge = None if combine is None else combine.launcher((tokens * heads,), (128,))
     out_shape, lse_shape = (tokens, heads, d_v), (tokens, heads)
 
