@@ -80,8 +80,8 @@ _HALF_LOAD = ("        att_load_pass(a, kv, next, 0, lane);\n",
 _HALF_LOAD0 = ("    att_load_pass(a, kv, slot, 0, lane);\n    for (int t = t_first; t < t_end; ++t) {\n",
                "    a = AttPass{};\n    if (pw < 4) att_load_pass(a, kv, slot, 0, lane);\n"
                "    for (int t = t_first; t < t_end; ++t) {\n")
-_HALF_STORE = ("        att_store_pass(a, sk, row0, lane);\n",
-               "        if (pw < 4) att_store_pass(a, sk, row0, lane);\n")
+_HALF_STORE = ("        att_store_pass_cf(a, sk, row0, lane);\n",
+               "        if (pw < 4) att_store_pass_cf(a, sk, row0, lane);\n")
 VARIANTS = {
     "base": [],
     "nommas": [_DEC_QK, _DEC_PV0, _DEC_PV1],
@@ -91,7 +91,7 @@ VARIANTS = {
     "localslots": [_LOCAL],
     "noprod": [(_HALF_LOAD0[0], "    for (int t = t_first; t < t_end; ++t) {\n"),
                ("        att_copy_rope<8>(kv, slot, sk, row0, lane);\n", ""),
-               ("        att_store_pass(a, sk, row0, lane);\n", ""),
+               ("        att_store_pass_cf(a, sk, row0, lane);\n", ""),
                ("        att_prefetch_record<4>(kv, att_slot_checked(raw2, num_slots), lane >> 3);\n",
                 ""),
                ("        att_load_pass(a, kv, next, 0, lane);\n", "")],

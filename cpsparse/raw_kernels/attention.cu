@@ -380,6 +380,30 @@ __device__ __forceinline__ void att_store_pass(const AttPass& r, u32 sk, int row
     }
 }
 
+// att_store_pass without bank conflicts (the fp8 decode's one-pass producer): lanes of odd
+// column blocks (bit 2 of the lane) store their second 16-byte chunk first, so the 8
+// lanes of a quarter-warp (blocks 2p, 2p + 1) write 8 different chunk positions of their
+// row where they wrote 4 twice. They dequantize their code words in swapped order (4
+// selects a row); the second chunk's address is the first's with bit 4 flipped.
+__device__ __forceinline__ void att_store_pass_cf(const AttPass& r, u32 sk, int row0, int lane) {
+    const int q = lane & 3;
+    const bool odd = (lane >> 2) & 1;
+    const u32 blk = sk + row0 * 128 + (lane >> 2) * ATT_BLK + (odd ? 16u : 0u);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const uint4 c = r.codes[k];
+        uint4 a, b;
+        att_dequant4(odd ? c.z : c.x, r.scales[k], a.x, a.y);
+        att_dequant4(odd ? c.w : c.y, r.scales[k], a.z, a.w);
+        att_dequant4(odd ? c.x : c.z, r.scales[k], b.x, b.y);
+        att_dequant4(odd ? c.y : c.w, r.scales[k], b.z, b.w);
+        u32 first = blk + ((q ^ (k >> 1)) << 5) + k * 128;
+        if (k & 1) first ^= 16u;
+        att_st_v4(first, a);
+        att_st_v4(first ^ 16u, b);
+    }
+}
+
 // The 64 bf16 RoPE values (block 8) of the warp's ROWS rows (16 or 8) by cp.async (slot
 // of row row0 + k in lane k); zero-filled and unread when masked.
 template <int ROWS = 16>
@@ -446,7 +470,7 @@ __device__ __forceinline__ void att_produce_fp8(const u8* __restrict__ kv,
             const u32 bits = __ballot_sync(0xffffffffu, slot >= 0) & 0xffu;
             if (lane == 0) att_st_u8(base + ATT_OFF_VALID + buf * 8 + pw, bits);
         }
-        att_store_pass(a, sk, row0, lane);
+        att_store_pass_cf(a, sk, row0, lane);
         // (the queue's slots checked where used: not live across the dequantization)
         att_prefetch_record<4>(kv, att_slot_checked(raw2, num_slots), lane >> 3);
         const int next = att_slot_checked(raw1, num_slots);
