@@ -361,7 +361,8 @@ __device__ __forceinline__ void att_load_pass(AttPass& r, const u8* __restrict__
 // block). Chunk (2q) ^ k of row k, q = l % 4, is 2 (q ^ (k >> 1)) + (k & 1) and its pair
 // (2q + 1) ^ k is 2 (q ^ (k >> 1)) + 1 - (k & 1): four lane-dependent bases (q ^ j, j =
 // k >> 1) and immediates, where ptxas otherwise held the 16 chunk offsets of the pass in
-// registers across the tile loop (the 80-register producer of the fp8 decode spilled).
+// registers across the tile loop (an 80-register producer spilled). MODEL1's producer;
+// the fp8 decode's stores by att_store_pass_cf (below), addressed the same way.
 template <int LANES = 32>
 __device__ __forceinline__ void att_store_pass(const AttPass& r, u32 sk, int row0, int lane) {
     if (LANES < 32 && lane >= LANES) return;
