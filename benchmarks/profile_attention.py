@@ -75,13 +75,13 @@ _LOCAL = ("    return j < nk ? __ldg(irow + j) : -1;", "    return j < nk ? (j &
 # one tile's dequantized keys): the second producer warpgroup (warps 4..7) loads nothing;
 # halfload still dequantizes and stores its registers (zeros: the arithmetic and the
 # shared-memory traffic stay), halfprod does not.
-_HALF_LOAD = ("        att_load_pass(a, kv, next, 0, lane);\n",
-              "        if (pw < 4) att_load_pass(a, kv, next, 0, lane);\n")
-_HALF_LOAD0 = ("    att_load_pass(a, kv, slot, 0, lane);\n    for (int t = t_first; t < t_end; ++t) {\n",
-               "    a = AttPass{};\n    if (pw < 4) att_load_pass(a, kv, slot, 0, lane);\n"
+_HALF_LOAD = ("        att_load_pass(a, kv, next, lane);\n",
+              "        if (pw < 4) att_load_pass(a, kv, next, lane);\n")
+_HALF_LOAD0 = ("    att_load_pass(a, kv, slot, lane);\n    for (int t = t_first; t < t_end; ++t) {\n",
+               "    a = AttPass{};\n    if (pw < 4) att_load_pass(a, kv, slot, lane);\n"
                "    for (int t = t_first; t < t_end; ++t) {\n")
-_HALF_STORE = ("        att_store_pass_cf(a, sk, row0, lane);\n",
-               "        if (pw < 4) att_store_pass_cf(a, sk, row0, lane);\n")
+_HALF_STORE = ("        att_store_pass<32, true>(a, sk, row0, lane);\n",
+               "        if (pw < 4) att_store_pass<32, true>(a, sk, row0, lane);\n")
 VARIANTS = {
     "base": [],
     "nommas": [_DEC_QK, _DEC_PV0, _DEC_PV1],
@@ -90,11 +90,11 @@ VARIANTS = {
     "nodeq": [_NODEQ],
     "localslots": [_LOCAL],
     "noprod": [(_HALF_LOAD0[0], "    for (int t = t_first; t < t_end; ++t) {\n"),
-               ("        att_copy_rope<8>(kv, slot, sk, row0, lane);\n", ""),
-               ("        att_store_pass_cf(a, sk, row0, lane);\n", ""),
-               ("        att_prefetch_record<4>(kv, att_slot_checked(raw2, num_slots), lane >> 3);\n",
+               ("        att_copy_rope(kv, slot, sk, row0, lane);\n", ""),
+               ("        att_store_pass<32, true>(a, sk, row0, lane);\n", ""),
+               ("        att_prefetch_record(kv, att_slot_checked(raw2, num_slots), lane >> 3);\n",
                 ""),
-               ("        att_load_pass(a, kv, next, 0, lane);\n", "")],
+               ("        att_load_pass(a, kv, next, lane);\n", "")],
     "halfprod": [_HALF_LOAD0, _HALF_LOAD, _HALF_STORE],
     "halfload": [_HALF_LOAD0, _HALF_LOAD],
     "halfload_nommas": [_DEC_QK, _DEC_PV0, _DEC_PV1, _HALF_LOAD0, _HALF_LOAD],

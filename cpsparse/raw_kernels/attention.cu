@@ -254,20 +254,17 @@ __device__ __forceinline__ int att_slot_checked(int raw, int num_slots) {
     return att_slot_ok(raw, num_slots) ? raw : -1;
 }
 
-// Key j of this CTA's token as stored: the top-k entry, or a causal range; -1 past nk.
-// Not yet checked against the cache (att_slot_checked).
-__device__ __forceinline__ int att_slot_raw(const int* __restrict__ irow, int rbase, int nk,
-                                            int j) {
-    if (j >= nk) return -1;
-    const int slot = irow != nullptr ? __ldg(irow + j) : rbase + j;
-    return slot;
-}
-
-// Top-k entry j of a token's row irow, -1 past nk; not yet checked. The fp8 decode's
-// producer (indices always given): att_slot_raw's null-row branch cost its 80-register
-// warps a spilled register.
+// Top-k entry j of a token's row irow, -1 past nk; not yet checked against the cache
+// (att_slot_checked). The fp8 decode's producer calls it directly (indices always given):
+// att_slot_raw's null-row branch cost its 80-register warps a spilled register.
 __device__ __forceinline__ int att_entry(const int* __restrict__ irow, int nk, int j) {
     return j < nk ? __ldg(irow + j) : -1;
+}
+
+// Key j of this CTA's token as stored: the top-k entry, or a causal range; -1 past nk.
+__device__ __forceinline__ int att_slot_raw(const int* __restrict__ irow, int rbase, int nk,
+                                            int j) {
+    return irow != nullptr ? att_entry(irow, nk, j) : (j < nk ? rbase + j : -1);
 }
 
 // Slot of key j (< nk) of this CTA's token; -1 when masked or out of range.
@@ -336,13 +333,13 @@ struct AttPass {
     float scales[8];
 };
 
-// Rows of a pass: slots in lanes base..base+7 of `slots`; a masked row (-1) reads
-// nothing and stores zeros (the branch is uniform over the warp).
+// Rows of a pass: row k's slot in lane k of `slots`; a masked row (-1) reads nothing and
+// stores zeros (the branch is uniform over the warp).
 __device__ __forceinline__ void att_load_pass(AttPass& r, const u8* __restrict__ kv, int slots,
-                                              int base, int lane) {
+                                              int lane) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-        const int slot = __shfl_sync(0xffffffffu, slots, base + k);
+        const int slot = __shfl_sync(0xffffffffu, slots, k);
         if (slot >= 0) {
             const u8* rec = kv + (size_t)slot * ATT_REC_BYTES;
             r.codes[k] = __ldg(reinterpret_cast<const uint4*>(rec) + lane);
@@ -361,34 +358,17 @@ __device__ __forceinline__ void att_load_pass(AttPass& r, const u8* __restrict__
 // block). Chunk (2q) ^ k of row k, q = l % 4, is 2 (q ^ (k >> 1)) + (k & 1) and its pair
 // (2q + 1) ^ k is 2 (q ^ (k >> 1)) + 1 - (k & 1): four lane-dependent bases (q ^ j, j =
 // k >> 1) and immediates, where ptxas otherwise held the 16 chunk offsets of the pass in
-// registers across the tile loop (an 80-register producer spilled). MODEL1's producer;
-// the fp8 decode's stores by att_store_pass_cf (below), addressed the same way.
-template <int LANES = 32>
+// registers across the tile loop (an 80-register producer spilled).
+// SWAP_ODD (the fp8 decode): no bank conflicts. Lanes of odd column blocks (bit 2 of the
+// lane) store their second 16-byte chunk first, so the 8 lanes of a quarter-warp (blocks
+// 2p, 2p + 1) write 8 different chunk positions of their row where they wrote 4 twice;
+// they dequantize their code words in swapped order (4 selects a row), and the second
+// chunk's address is the first's with bit 4 flipped (the row base is 32-byte aligned).
+template <int LANES = 32, bool SWAP_ODD = false>
 __device__ __forceinline__ void att_store_pass(const AttPass& r, u32 sk, int row0, int lane) {
     if (LANES < 32 && lane >= LANES) return;
     const int q = lane & 3;
-    const u32 blk = sk + row0 * 128 + (lane >> 2) * ATT_BLK;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        uint4 a, b;
-        att_dequant4(r.codes[k].x, r.scales[k], a.x, a.y);
-        att_dequant4(r.codes[k].y, r.scales[k], a.z, a.w);
-        att_dequant4(r.codes[k].z, r.scales[k], b.x, b.y);
-        att_dequant4(r.codes[k].w, r.scales[k], b.z, b.w);
-        const u32 row = blk + (((q ^ (k >> 1)) << 5)) + k * 128;
-        att_st_v4(row + ((k & 1) << 4), a);
-        att_st_v4(row + ((1 - (k & 1)) << 4), b);
-    }
-}
-
-// att_store_pass without bank conflicts (the fp8 decode's one-pass producer): lanes of odd
-// column blocks (bit 2 of the lane) store their second 16-byte chunk first, so the 8
-// lanes of a quarter-warp (blocks 2p, 2p + 1) write 8 different chunk positions of their
-// row where they wrote 4 twice. They dequantize their code words in swapped order (4
-// selects a row); the second chunk's address is the first's with bit 4 flipped.
-__device__ __forceinline__ void att_store_pass_cf(const AttPass& r, u32 sk, int row0, int lane) {
-    const int q = lane & 3;
-    const bool odd = (lane >> 2) & 1;
+    const bool odd = SWAP_ODD && ((lane >> 2) & 1);
     const u32 blk = sk + row0 * 128 + (lane >> 2) * ATT_BLK + (odd ? 16u : 0u);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
@@ -398,20 +378,24 @@ __device__ __forceinline__ void att_store_pass_cf(const AttPass& r, u32 sk, int 
         att_dequant4(odd ? c.w : c.y, r.scales[k], a.z, a.w);
         att_dequant4(odd ? c.x : c.z, r.scales[k], b.x, b.y);
         att_dequant4(odd ? c.y : c.w, r.scales[k], b.z, b.w);
-        u32 first = blk + ((q ^ (k >> 1)) << 5) + k * 128;
-        if (k & 1) first ^= 16u;
-        att_st_v4(first, a);
-        att_st_v4(first ^ 16u, b);
+        const u32 row = blk + ((q ^ (k >> 1)) << 5) + k * 128;
+        if constexpr (SWAP_ODD) {
+            const u32 first = (k & 1) ? row ^ 16u : row;
+            att_st_v4(first, a);
+            att_st_v4(first ^ 16u, b);
+        } else {
+            att_st_v4(row + ((k & 1) << 4), a);
+            att_st_v4(row + ((1 - (k & 1)) << 4), b);
+        }
     }
 }
 
-// The 64 bf16 RoPE values (block 8) of the warp's ROWS rows (16 or 8) by cp.async (slot
-// of row row0 + k in lane k); zero-filled and unread when masked.
-template <int ROWS = 16>
+// The 64 bf16 RoPE values (block 8) of the warp's 8 rows by cp.async (slot of row row0 + k
+// in lane k); zero-filled and unread when masked.
 __device__ __forceinline__ void att_copy_rope(const u8* __restrict__ kv, int slots, u32 sk,
                                               int row0, int lane) {
 #pragma unroll
-    for (int j = 0; j < ROWS / 4; ++j) {
+    for (int j = 0; j < 2; ++j) {
         const int idx = lane + 32 * j, k = idx >> 3, c = idx & 7;
         const int slot = __shfl_sync(0xffffffffu, slots, k);
         const bool v = slot >= 0;
@@ -421,18 +405,16 @@ __device__ __forceinline__ void att_copy_rope(const u8* __restrict__ kv, int slo
     }
 }
 
-// Pull one record (656 bytes, up to 7 lines of 128) into L2 ahead of its load, PARTS
-// lanes sharing it: part q touches bytes 128 k for k in [8 q / PARTS, 8 (q + 1) / PARTS),
-// clamped to the record's last byte (655). PARTS 2: half 0 bytes 0..384, half 1 bytes
-// 512, 640 and 655; PARTS 4: quarters 0..128, 256..384, 512..640 and 655.
-template <int PARTS = 2>
+// Pull one record (656 bytes, up to 7 lines of 128) into L2 ahead of its load, four
+// lanes sharing it: part q (0..3) touches bytes 256 q and 256 q + 128, clamped to the
+// record's last byte (655): 0..128, 256..384, 512..640 and 655.
 __device__ __forceinline__ void att_prefetch_record(const u8* __restrict__ kv, int slot,
                                                     int part) {
     if (slot < 0) return;
     const u8* rec = kv + (size_t)slot * ATT_REC_BYTES;
 #pragma unroll
-    for (int k = 0; k < 8 / PARTS; ++k) {
-        const int off = min(128 * (part * (8 / PARTS) + k), ATT_REC_BYTES - 1);
+    for (int k = 0; k < 2; ++k) {
+        const int off = min(128 * (2 * part + k), ATT_REC_BYTES - 1);
         asm volatile("prefetch.global.L2 [%0];\n" :: "l"(rec + off));
     }
 }
@@ -460,22 +442,22 @@ __device__ __forceinline__ void att_produce_fp8(const u8* __restrict__ kv,
     int slot = att_slot_checked(att_entry(irow, nk_end, t_first * 64 + mine), num_slots);
     int raw1 = att_entry(irow, nk_end, (t_first + 1) * 64 + mine);
     int raw2 = att_entry(irow, nk_end, (t_first + 2) * 64 + mine);
-    att_load_pass(a, kv, slot, 0, lane);
+    att_load_pass(a, kv, slot, lane);
     for (int t = t_first; t < t_end; ++t) {
         const int buf = (t - t_first) & 1;
         const u32 sk = base + ATT_OFF_K + buf * ATT_TILE;
         const int raw3 = att_entry(irow, nk_end, (t + 3) * 64 + mine);
         if (t - t_first >= 2) att_bar_sync(ATT_BAR_EMPTY + buf, ATT_DEC_THREADS);
-        att_copy_rope<8>(kv, slot, sk, row0, lane);
+        att_copy_rope(kv, slot, sk, row0, lane);
         {   // bits 8 pw .. 8 pw + 7 of the tile's key mask (lanes l, l + 8, ... agree)
             const u32 bits = __ballot_sync(0xffffffffu, slot >= 0) & 0xffu;
             if (lane == 0) att_st_u8(base + ATT_OFF_VALID + buf * 8 + pw, bits);
         }
-        att_store_pass_cf(a, sk, row0, lane);
+        att_store_pass<32, true>(a, sk, row0, lane);
         // (the queue's slots checked where used: not live across the dequantization)
-        att_prefetch_record<4>(kv, att_slot_checked(raw2, num_slots), lane >> 3);
+        att_prefetch_record(kv, att_slot_checked(raw2, num_slots), lane >> 3);
         const int next = att_slot_checked(raw1, num_slots);
-        att_load_pass(a, kv, next, 0, lane);
+        att_load_pass(a, kv, next, lane);
         cps_cp_async_wait_all();
         cps_fence_proxy_async();                  // stores -> the async proxy (wgmma)
         att_bar_arrive(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);

@@ -62,8 +62,8 @@ raw_kernels.register_module(
     "attention", ["common.cuh", "hopper.cuh", "attention.cu"], capabilities=raw_kernels.exactly((9, 0)),
     ops=("sparse_mla_attention", "dense_mla_attention", "local_to_global_slots"),
     needs="Hopper wgmma, compiled for sm_90a", pdl=True,
-    defines=dict(ATT_WS_THREADS=WS_THREADS, ATT_DEC_THREADS=DEC_THREADS, ATT_SMEM_BYTES=SMEM_BYTES, ATT_MAX_SPLITS=MAX_SPLITS,
-                 ATT_REC_BYTES=RECORD_BYTES,
+    defines=dict(ATT_WS_THREADS=WS_THREADS, ATT_DEC_THREADS=DEC_THREADS, ATT_SMEM_BYTES=SMEM_BYTES,
+                 ATT_MAX_SPLITS=MAX_SPLITS, ATT_REC_BYTES=RECORD_BYTES,
                  # the MODEL1 page layout (cpsparse.reference.cache owns it)
                  ATT_M1_NOPE=cache_layout.MODEL1_NOPE, ATT_M1_ROW=cache_layout.MODEL1_ROW,
                  ATT_M1_SCALE_BYTES=cache_layout.MODEL1_SCALES + 1))
