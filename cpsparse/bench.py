@@ -20,7 +20,10 @@ rotating inputs, CUDA events on CuPy, ``perf_counter`` on NumPy).
   ``index_topk`` say the gate cannot fire.
 * ``mtp``: a real :class:`cpsparse.mtp.MTPDrafter` round of 3 steps (step 0
   scores, steps 1+ reuse its top-k) against a round where every step scores
-  again (a ``num_steps=1`` drafter called per step); the time of steps 1+.
+  again (a ``num_steps=1`` drafter called per step); the time of steps 1+, twice:
+  their indexer and attention calls (probed inside the forwards: what the reuse
+  removes and what it keeps, the seed's "kernel time on draft steps 1+") and
+  their whole layer forwards.
 * ``decode_step``: one decode step of a layer, split into projections /
   indexer scoring / top-k / slots / sparse attention (public ops), the eager
   step, and the scoring + top-k + slots + attention chain captured as a CUDA
@@ -72,9 +75,13 @@ WHAT = {
                      "(StaticPlatform(cuda=False)); forward_*: the whole layer forward; "
                      "reduction_pct only where the gate fires (None where L > index_topk: "
                      "it cannot)",
-    "mtp": "steps 1+ of a real MTPDrafter round (whole layer forwards; reuse: step 0's "
-           "top-k) vs the same steps scoring again (MTPDrafter(num_steps=1) per step); "
-           "round_*: the whole round; *_indexer_calls: indexer calls per round",
+    "mtp": "steps 1+ of a real MTPDrafter round (reuse: step 0's top-k) vs the same steps "
+           "scoring again (MTPDrafter(num_steps=1) per step); path_*: their indexer calls "
+           "(sparse_attn_indexer_core) and attention calls (the layer's _sparse: slots + "
+           "sparse_mla_attention), probed inside the forwards and summed per round, the "
+           "seed's measure; forward_*: their whole layer forwards; *_effect_clear: both "
+           "p10-p90 spreads narrower than the gap between the medians; round_*: the whole "
+           "round; *_indexer_calls: indexer calls per round",
     "decode_step": "public ops of one decode step; attention_ms: sparse_mla_attention "
                    "alone (slots_ms: local_to_global_slots); sparse_path_ms: sum of the "
                    "four op medians; eager_step_ms: the four chained, eager; "
@@ -325,15 +332,38 @@ def bench_short_prefill(xp, s, rng, progress, weights):
 
 # ---- scenario 2: MTP reuse through the real drafter ------------------------------
 
+def _per_round(times, rounds, per_round, iters):
+    """Summary of the last ``iters`` rounds' interval sums (``per_round`` intervals a
+    round); RuntimeError unless ``rounds`` rounds recorded exactly that many each."""
+    if len(times) != rounds * per_round:
+        raise RuntimeError(f"probe recorded {len(times)} intervals in {rounds} rounds, "
+                           f"expected {per_round} a round")
+    sums = numpy.asarray(times, dtype=numpy.float64).reshape(rounds, per_round).sum(axis=1)
+    return timing.summarize(sums[-iters:].tolist())
+
+
+def _effect_clear(a, b):
+    """True where both p10-p90 spreads are narrower than the gap between the medians."""
+    gap = abs(b["median_ms"] - a["median_ms"])
+    return bool(max(a["p90_ms"] - a["p10_ms"], b["p90_ms"] - b["p10_ms"]) < gap)
+
+
 def bench_mtp(xp, s, rng, progress, weights):
-    """Steps 1+ of an MTPDrafter round (reuse) vs the same steps scoring again."""
+    """Steps 1+ of an MTPDrafter round (reuse) vs the same steps scoring again.
+
+    Two figures of the same rounds: ``path_*`` the indexer and attention calls of
+    steps 1+ (what the reuse removes and what it keeps: the indexer call and the
+    layer's ``_sparse``, slots + sparse attention, each a probed interval, summed per
+    round), the seed's measure (kernel time on draft steps 1+); ``forward_*`` the
+    whole layer forwards of steps 1+ (projections, caches, the eager Python of the
+    layer: the same in both, so the ratio is smaller)."""
     cfg = layer_config(s)
     steps = s["mtp_steps"]
     name = "mtp.0.attn"
     layer = DeepseekV32MLA(cfg, name, is_mtp_layer=True, platform=StaticPlatform(cuda=True),
                            weights=weights, xp=xp)
     drafter, single = MTPDrafter(layer, steps), MTPDrafter(layer, 1)
-    it = dict(warmup=s["warmup"], iters=s["iters"])
+    it = dict(warmup=s["warmup"], iters=s.get("mtp_iters", s["iters"]))
     rounds = it["warmup"] + it["iters"]
     rows = []
     for batch in s["mtp_batches"]:
@@ -349,43 +379,68 @@ def bench_mtp(xp, s, rng, progress, weights):
                 for i in range(steps)]
             xs = [[_rng_array(xp, rng, (batch, cfg.hidden_size)) for _ in range(steps)]
                   for _ in range(s["sets"])]
-            probe = timing.Probe(xp)
+            span = timing.Probe(xp)             # steps 1+, whole forwards
+            path = timing.Probe(xp)             # their indexer and attention calls
+            path.recording = False
+
+            def steps_begin():
+                span.start()
+                path.recording = True
+
+            def steps_end():
+                path.recording = False
+                span.stop()
 
             def reuse(j):
                 def next_step(step, _previous):
                     if step == 1:
-                        probe.start()
+                        steps_begin()
                     return xs[j][step], ctxs[step]
                 drafter.run_round(xs[j][0], ctxs[0], next_step)
-                probe.stop()
+                steps_end()
 
             def recompute(j):
                 single.run_round(xs[j][0], ctxs[0], None)
-                probe.start()
+                steps_begin()
                 for step in range(1, steps):
                     single.run_round(xs[j][step], ctxs[step], None)
-                probe.stop()
+                steps_end()
 
             inputs = [(j,) for j in range(s["sets"])]
-            layer.indexer.stats.reset()
-            t_reuse = timing.time_op(xp, reuse, inputs, probe=probe, **it)
-            calls_reuse = layer.indexer.stats.calls / rounds
-            layer.indexer.stats.reset()
-            t_recompute = timing.time_op(xp, recompute, inputs, probe=probe, **it)
-            calls_recompute = layer.indexer.stats.calls / rounds
-            r, c = t_reuse["inner"], t_recompute["inner"]
+            t, p, calls = {}, {}, {}
+            # reuse: one attention call a step; recompute: the indexer's and attention's
+            for mode, fn, per_step in (("reuse", reuse, 1), ("recompute", recompute, 2)):
+                layer.indexer.stats.reset()
+                path.reset()
+                with path.patch(_mla, _indexer_entry()), \
+                        path.patch(DeepseekV32MLA, "_sparse"):
+                    t[mode] = timing.time_op(xp, fn, inputs, probe=span, **it)
+                p[mode] = _per_round(path.times_ms(), rounds, per_step * (steps - 1),
+                                     it["iters"])
+                calls[mode] = layer.indexer.stats.calls / rounds
+            fr, fc = t["reuse"]["inner"], t["recompute"]["inner"]
+            pr, pc = p["reuse"], p["recompute"]
             row = dict(batch=batch, context=context, steps=steps,
-                       reuse_ms=r["median_ms"], reuse_p10_p90_ms=_spread(r),
-                       recompute_ms=c["median_ms"], recompute_p10_p90_ms=_spread(c),
-                       speedup=c["median_ms"] / r["median_ms"],
-                       round_reuse_ms=t_reuse["median_ms"],
-                       round_recompute_ms=t_recompute["median_ms"],
-                       reuse_indexer_calls=calls_reuse,
-                       recompute_indexer_calls=calls_recompute, iters=r["iters"])
+                       path_reuse_ms=pr["median_ms"], path_reuse_p10_p90_ms=_spread(pr),
+                       path_recompute_ms=pc["median_ms"],
+                       path_recompute_p10_p90_ms=_spread(pc),
+                       path_speedup=pc["median_ms"] / pr["median_ms"],
+                       path_effect_clear=_effect_clear(pr, pc),
+                       forward_reuse_ms=fr["median_ms"], forward_reuse_p10_p90_ms=_spread(fr),
+                       forward_recompute_ms=fc["median_ms"],
+                       forward_recompute_p10_p90_ms=_spread(fc),
+                       forward_speedup=fc["median_ms"] / fr["median_ms"],
+                       forward_effect_clear=_effect_clear(fr, fc),
+                       round_reuse_ms=t["reuse"]["median_ms"],
+                       round_recompute_ms=t["recompute"]["median_ms"],
+                       reuse_indexer_calls=calls["reuse"],
+                       recompute_indexer_calls=calls["recompute"], iters=pr["iters"])
             rows.append(row)
-            progress(f"mtp B={batch} ctx={context}: steps 1..{steps - 1} reuse {_pm(r)}, "
-                     f"recompute {_pm(c)}, {row['speedup']:.2f}x (indexer calls per round "
-                     f"{calls_reuse:g} vs {calls_recompute:g})")
+            progress(f"mtp B={batch} ctx={context}: steps 1..{steps - 1} indexer + attention "
+                     f"reuse {_pm(pr)}, recompute {_pm(pc)}, {row['path_speedup']:.2f}x; "
+                     f"whole forwards reuse {_pm(fr)}, recompute {_pm(fc)}, "
+                     f"{row['forward_speedup']:.2f}x (indexer calls per round "
+                     f"{calls['reuse']:g} vs {calls['recompute']:g})")
             layer.mla_cache = layer.indexer_cache = None
     return rows
 
@@ -474,9 +529,10 @@ COLUMNS = {
     "short_prefill": ["tokens", "topk", "use_dense_mha", "skip_fired", "gate_on_ms",
                       "gate_on_p10_p90_ms", "gate_off_ms", "gate_off_p10_p90_ms",
                       "reduction_pct", "forward_on_ms", "forward_off_ms", "gate"],
-    "mtp": ["batch", "context", "steps", "reuse_ms", "reuse_p10_p90_ms", "recompute_ms",
-            "recompute_p10_p90_ms", "speedup", "reuse_indexer_calls",
-            "recompute_indexer_calls"],
+    "mtp": ["batch", "context", "path_reuse_ms", "path_reuse_p10_p90_ms",
+            "path_recompute_ms", "path_recompute_p10_p90_ms", "path_speedup",
+            "forward_reuse_ms", "forward_recompute_ms", "forward_speedup",
+            "path_effect_clear", "forward_effect_clear", "recompute_indexer_calls"],
     "decode_step": ["batch", "context", "projections_ms", "indexer_ms", "topk_ms", "slots_ms",
                     "attention_ms", "sparse_path_ms", "eager_step_ms",
                     "eager_step_p10_p90_ms", "graph_replay_ms", "graph_replay_p10_p90_ms",
@@ -611,7 +667,10 @@ def plot(results, out_dir):
     rows = results["scenarios"].get("mtp")
     if rows:
         fig, ax = plt.subplots(figsize=(7.5, 3.5))
-        ax.bar(range(len(rows)), [r["speedup"] for r in rows])
+        for shift, key, label in ((-0.2, "path_speedup", "indexer + attention calls"),
+                                  (0.2, "forward_speedup", "whole layer forwards")):
+            ax.bar([i + shift for i in range(len(rows))], [r[key] for r in rows], 0.4,
+                   label=label)
         ax.axhline(2.0, color="gray", ls="--", label="target 2.0x")
         _batch_context_ticks(ax, rows)
         ax.set_ylabel("steps 1+: recompute / reuse")

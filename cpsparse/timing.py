@@ -493,7 +493,14 @@ class Probe:
     (:meth:`wrap`, :meth:`patch`), or the span between :meth:`start` and
     :meth:`stop` marks placed in the driver's callbacks. On CuPy each mark
     is a CUDA event on the current stream (read after a synchronize, in
-    :meth:`times_ms`); on NumPy it is ``time.perf_counter``.
+    :meth:`times_ms`); on NumPy it is ``time.perf_counter``. The events are
+    kept and recorded again after :meth:`reset` (which :func:`time_op` calls
+    after the warm-up), so a timed call creates none: what an interval holds on
+    an idle GPU is the host time between two ``record()`` calls, not two
+    ``cudaEventCreate``.
+
+    A wrapped call is recorded only while :attr:`recording` is true (default):
+    a driver's callbacks can switch it to time the calls of some of its steps.
 
     Parameters
     ----------
@@ -517,17 +524,23 @@ class Probe:
 
     def __init__(self, xp=numpy):
         self.xp = xp
+        self.recording = True
+        self._events = []               # CUDA events made so far, reused after reset()
         self.reset()
 
     def reset(self):
         """Forget the recorded intervals (and an open start mark)."""
         self._intervals = []
         self._open = None
+        self._used = 0
 
     def _mark(self):
         if self.xp is numpy:
             return time.perf_counter()
-        event = self.xp.cuda.Event()
+        if self._used == len(self._events):
+            self._events.append(self.xp.cuda.Event())
+        event = self._events[self._used]
+        self._used += 1
         event.record()
         return event
 
@@ -545,9 +558,11 @@ class Probe:
         self._open = None
 
     def wrap(self, fn):
-        """``fn`` with every call recorded as one interval."""
+        """``fn`` with every call recorded as one interval (while :attr:`recording`)."""
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            if not self.recording:
+                return fn(*args, **kwargs)
             self.start()
             try:
                 return fn(*args, **kwargs)

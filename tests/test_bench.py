@@ -166,9 +166,19 @@ def test_mtp_drives_the_real_drafter(spied_run):
         assert r["steps"] == steps
         assert r["reuse_indexer_calls"] == 1              # step 0 only: steps 1+ reuse
         assert r["recompute_indexer_calls"] == steps      # every step scores again
-        assert _spread_ok(r, "reuse") and _spread_ok(r, "recompute")
-        assert r["reuse_ms"] < r["round_reuse_ms"] and r["recompute_ms"] < r["round_recompute_ms"]
-        assert r["speedup"] == pytest.approx(r["recompute_ms"] / r["reuse_ms"])
+        for side in ("path_reuse", "path_recompute", "forward_reuse", "forward_recompute"):
+            assert _spread_ok(r, side), side
+        # the calls probed are inside the forwards of steps 1+, which are inside the round
+        assert r["path_reuse_ms"] < r["forward_reuse_ms"] < r["round_reuse_ms"]
+        assert r["path_recompute_ms"] < r["forward_recompute_ms"] < r["round_recompute_ms"]
+        assert r["path_speedup"] == pytest.approx(r["path_recompute_ms"] / r["path_reuse_ms"])
+        assert r["forward_speedup"] == pytest.approx(
+            r["forward_recompute_ms"] / r["forward_reuse_ms"])
+        for kind in ("path", "forward"):
+            spread = max(r[f"{kind}_{m}_p10_p90_ms"][1] - r[f"{kind}_{m}_p10_p90_ms"][0]
+                         for m in ("reuse", "recompute"))
+            gap = abs(r[f"{kind}_recompute_ms"] - r[f"{kind}_reuse_ms"])
+            assert r[f"{kind}_effect_clear"] == (spread < gap)
     cases = len(rows)
     # reuse: one k-step round per timed call; baseline: k one-step rounds per call
     assert spied_run["rounds"] == {steps: cases * rounds, 1: cases * rounds * steps}
@@ -176,6 +186,23 @@ def test_mtp_drives_the_real_drafter(spied_run):
     # MTP layers never pass a layer name to the indexer (the gate is off by construction)
     short = len(saved["scenarios"]["short_prefill"]) * rounds
     assert spied_run["names"][""] == short + cases * rounds * (1 + steps)
+
+
+def test_per_round_sums_the_timed_rounds_and_checks_the_count():
+    # 2 warm-up rounds then 3 timed ones, 2 intervals a round
+    times = [100.0, 100.0, 50.0, 50.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    t = bench._per_round(times, rounds=5, per_round=2, iters=3)
+    assert (t["median_ms"], t["iters"]) == (pytest.approx(7.0), 3)      # sums 3, 7, 11
+    with pytest.raises(RuntimeError, match="9 intervals in 5 rounds, expected 2 a round"):
+        bench._per_round(times[:9], rounds=5, per_round=2, iters=3)
+
+
+def test_effect_clear_compares_spreads_with_the_gap():
+    a = dict(median_ms=1.0, p10_ms=0.9, p90_ms=1.1)
+    assert bench._effect_clear(a, dict(median_ms=2.0, p10_ms=1.9, p90_ms=2.5))
+    assert not bench._effect_clear(a, dict(median_ms=2.0, p10_ms=1.0, p90_ms=3.1))
+    assert not bench._effect_clear(dict(a, p90_ms=2.2), dict(median_ms=2.0, p10_ms=1.9,
+                                                              p90_ms=2.1))
 
 
 def test_decode_step_ops_rotate_consistently():
@@ -254,8 +281,8 @@ def test_plots_name_the_device_label_contexts_and_keep_legends_off_the_bars(tmp_
         "short_prefill": [dict(tokens=t, topk=2048, gate_off_ms=1.0, gate_off_p10_p90_ms=band,
                                gate_on_ms=0.1, gate_on_p10_p90_ms=[0.09, 0.11])
                           for t in (256, 1024)],
-        "mtp": [dict(batch=1, context=512, speedup=2.1), dict(batch=8, context=32768,
-                                                                speedup=2.0)],
+        "mtp": [dict(batch=1, context=512, path_speedup=2.1, forward_speedup=1.4),
+                dict(batch=8, context=32768, path_speedup=2.0, forward_speedup=1.3)],
         # the decode-step table's 15 rows (5 batches x 3 contexts, 128K the widest label)
         "decode_step": [dict(batch=b, context=c, projections_ms=0.1, indexer_ms=0.1,
                              topk_ms=0.1, slots_ms=0.01, attention_ms=0.2)

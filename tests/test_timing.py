@@ -177,6 +177,61 @@ def test_probe_patch_restores_and_counts(clock):
             timing.time_cpu(lambda: clock.spend(1.0), warmup=0, iters=2, probe=probe)
 
 
+def test_probe_records_wrapped_calls_only_while_recording(clock):
+    probe = timing.Probe(np)
+    work = probe.wrap(lambda ms: clock.spend(ms))
+    probe.recording = False
+    work(5.0)                                           # runs, not recorded
+    probe.recording = True
+    work(2.0)
+    assert clock.now == pytest.approx(100.007)
+    assert probe.times_ms() == [pytest.approx(2.0)]
+
+
+class FakeEventsXp:
+    """The CuPy surface a Probe uses: events stamped by a fake clock, created counted."""
+
+    def __init__(self, clock):
+        xp = self
+        self.created = 0
+
+        class Event:
+            def __init__(self):
+                xp.created += 1
+                self.t = None
+
+            def record(self):
+                self.t = clock.now
+
+            def synchronize(self):
+                pass
+
+        self.cuda = types.SimpleNamespace(
+            Event=Event, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3)
+
+
+def test_probe_reuses_its_cuda_events_after_reset(clock):
+    """Events are made by the warm-up's calls and recorded again by the timed ones: a
+    timed interval never holds an event's creation."""
+    xp = FakeEventsXp(clock)
+    probe = timing.Probe(xp)
+    work = probe.wrap(lambda ms: clock.spend(ms))
+
+    def driver():
+        work(1.0)
+        work(2.0)
+
+    driver()                                            # the warm-up: 4 marks, 4 events
+    assert xp.created == 4
+    for _ in range(3):
+        probe.reset()
+        driver()
+        assert probe.times_ms() == [pytest.approx(1.0), pytest.approx(2.0)]
+    assert xp.created == 4
+    driver()                                            # without a reset: new events
+    assert xp.created == 8 and len(probe.times_ms()) == 4
+
+
 def test_numpy_has_no_graphs_and_no_ceilings():
     assert timing.try_time_graph(np, np.sum, [(np.ones(3),)]) == (
         None, "no CUDA graphs on the NumPy backend")

@@ -2,10 +2,11 @@
 # One call on the device machine: the GPU tests, the cost of index bounding, the host-time
 # profile, the kernel benchmarks and the side-by-side peer benchmark. Logs and JSON go
 # under $OUT (default ./gpu_out). Usage:
-#   bash tools/gpu_check.sh [all|tests|bounds|profile|bench|peers|ncu]... [-- arguments...]
-# "profile" is the host-time profile, the attention kernel's ablations and trace, and
-# the top-k kernel's phase trace. "ncu" (only when named: not part of "all") runs Nsight
-# Compute on the warp-specialized decode scoring kernels (benchmarks/profile_indexer.py):
+#   bash tools/gpu_check.sh [all|tests|bounds|profile|layer|bench|peers|ncu]... [-- arguments...]
+# "profile" is the host-time profile, the layer forward by stage ("layer" alone runs only
+# that), the attention kernel's ablations and trace, and the top-k kernel's phase trace.
+# "ncu" (only when named: not part of "all") runs Nsight Compute on the
+# warp-specialized decode scoring kernels (benchmarks/profile_indexer.py):
 # the section summary, then the stall samples instruction by instruction (ncu_source.*).
 # "bounds" times the public ops with this tree and with the tree in .baseline/ (copy
 # the code before a change there: git archive <rev> cpsparse | tar -x -C .baseline).
@@ -47,6 +48,12 @@ if want tests; then
         python3 -m pytest -m gpu -q -p no:cacheprovider -rs --junitxml="$OUT/gpu_tests.xml" \
         2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if want profile || want layer; then
+    # Where a DeepseekV32MLA forward's time goes, stage by stage (the scenarios' forwards
+    # cost far more than their ops): writes profile_layer.{txt,json} too.
+    timeout 300 python3 -m benchmarks.profile_layer > "$OUT/profile_layer.log" 2>&1 || status=1
+    grep -E "^(====|  [a-z])" "$OUT/profile_layer.log" | head -70
 fi
 if want profile; then
     python3 -m benchmarks.profile_host > "$OUT/profile_host.log" 2>&1 || status=1

@@ -11,7 +11,7 @@ from cpsparse.bench import COLUMNS, _fmt
 
 TITLES = {
     "short_prefill": "Short-prefill skip: indexer latency, gate enabled vs disabled",
-    "mtp": "MTP draft round (3 steps): indexer + attention time of steps 1+",
+    "mtp": "MTP draft round (3 steps): steps 1+ reusing step 0's top-k vs scoring again",
     "decode_step": "Decode step of one layer (V3.2 shapes), split by stage",
 }
 
