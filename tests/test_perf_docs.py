@@ -19,6 +19,27 @@ def test_peers_page_is_generated_from_peers_json():
         "docs/performance_peers.md is stale: run python tools/peers_table.py"
 
 
+def test_peers_page_targets_count_every_speedup_below_the_minimum():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import peers_table
+    finally:
+        sys.path.pop(0)
+
+    def row(workload, call, kernel):
+        return dict(workload=workload, speedup=call, kernel_speedup=kernel)
+    rows = [row("mla_decode_B1", 1.2, 0.9), row("mla_decode_B8", 1.1, 1.0),
+            row("mla_prefill_T4096", 1.3, 1.01), row("decode_step_B1", None, 2.0),
+            row("indexer_decode_B64_ctx32768_n1_mxfp4", 1.7, 1.59)]
+    lines = peers_table.target_lines(rows)
+    by_issue = {int(ln.split(" | ")[1]): ln for ln in lines if ln.startswith("| ") and
+                ln.split(" | ")[1].isdigit()}
+    assert sorted(by_issue) == [14, 15, 20]       # no row of 16 or 18 with a figure: no line
+    assert by_issue[14].endswith("| 2 | 0.90 (mla_decode_B1 kernel) | missed (1 of 4 below) |")
+    assert by_issue[15].endswith("| 1 | 1.01 (mla_prefill_T4096 kernel) | met |")
+    assert "1.6x (call, kernel)" in by_issue[20] and "missed (1 of 2 below)" in by_issue[20]
+
+
 def test_peers_json_has_the_design_schema():
     results = json.loads((ROOT / "benchmarks" / "results" / "peers.json").read_text())
     assert {"device", "date", "rows"} <= set(results)

@@ -17,6 +17,47 @@ GROUPS = [("mla_decode", "Sparse MLA decode (fp8_ds_mla cache, topk 2048, 32K co
           ("decode_step", "Decode step of one layer: scoring + top-k + slots + attention")]
 
 
+# The issues' targets over the peer rows: (what, issue, workloads, minimum speedup, the
+# speedups it holds: "call" the public op's, "kernel" the graph-replayed one's). A target
+# is met when every listed speedup of every matching row reaches the minimum.
+TARGETS = [
+    ("sparse MLA decode vs FlashMLA (aim 1.1)", 14,
+     lambda w: w.startswith("mla_decode_"), 1.0, ("call", "kernel")),
+    ("sparse MLA prefill vs FlashMLA", 15,
+     lambda w: w.startswith("mla_prefill_"), 1.0, ("call", "kernel")),
+    ("indexer prefill vs DeepGEMM (aim 1.15)", 16,
+     lambda w: w.startswith("indexer_prefill_"), 1.0, ("call", "kernel")),
+    ("indexer paged decode vs DeepGEMM", 16,
+     lambda w: w.startswith("indexer_decode_") and not w.endswith("_mxfp4"), 1.0,
+     ("call", "kernel")),
+    ("MXFP4 decode vs DeepGEMM's FP8, B=64 x 32K and B=4 x 128K", 20,
+     lambda w: w in ("indexer_decode_B64_ctx32768_n1_mxfp4",
+                     "indexer_decode_B4_ctx131072_n1_mxfp4"), 1.6, ("call", "kernel")),
+    ("decode step vs the vLLM stack, graph replay and eager", 18,
+     lambda w: w.startswith("decode_step_"), 1.0, ("call",)),
+]
+
+
+def target_lines(rows):
+    """The summary table of :data:`TARGETS` over ``rows`` (targets with no row: left out)."""
+    lines = ["**Targets of the open issues over these rows**", "",
+             "| target | issue | minimum | rows | lowest speedup (workload) | status |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for what, issue, match, need, kinds in TARGETS:
+        got = [(r[f"{k}_speedup" if k == "kernel" else "speedup"], f"{r['workload']} {k}")
+               for r in rows if match(r["workload"]) for k in kinds]
+        got = [(v, where) for v, where in got if v is not None]
+        if not got:
+            continue
+        low, where = min(got)
+        missed = sum(v < need for v, _ in got)
+        status = "met" if not missed else f"missed ({missed} of {len(got)} below)"
+        n = len({w.rsplit(" ", 1)[0] for _, w in got})
+        lines.append(f"| {what} | {issue} | {need:.1f}x ({', '.join(kinds)}) | {n} | "
+                     f"{low:.2f} ({where}) | {status} |")
+    return lines + [""]
+
+
 def _ms(r, key):
     v = r.get(key)
     if v is None:
@@ -42,6 +83,7 @@ def markdown(results):
              + ", ".join(f"{k} = {v:.4g}" for k, v in c.items() if isinstance(v, (int, float)))
              + ".", ""]
     rows = results["rows"]
+    lines += target_lines(rows)
     for prefix, title in GROUPS:
         group = [r for r in rows if r["workload"].startswith(prefix)]
         if not group:
