@@ -412,6 +412,7 @@ def bench_mtp(xp, s, rng, progress, weights):
             for mode, fn, per_step in (("reuse", reuse, 1), ("recompute", recompute, 2)):
                 layer.indexer.stats.reset()
                 path.reset()
+                path.reserve(2 * rounds * per_step * (steps - 1))    # (not reset by time_op)
                 with path.patch(_mla, _indexer_entry()), \
                         path.patch(DeepseekV32MLA, "_sparse"):
                     t[mode] = timing.time_op(xp, fn, inputs, probe=span, **it)

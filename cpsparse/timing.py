@@ -497,7 +497,8 @@ class Probe:
     kept and recorded again after :meth:`reset` (which :func:`time_op` calls
     after the warm-up), so a timed call creates none: what an interval holds on
     an idle GPU is the host time between two ``record()`` calls, not two
-    ``cudaEventCreate``.
+    ``cudaEventCreate``. A probe not handed to :func:`time_op` can
+    :meth:`reserve` its events instead.
 
     A wrapped call is recorded only while :attr:`recording` is true (default):
     a driver's callbacks can switch it to time the calls of some of its steps.
@@ -533,6 +534,13 @@ class Probe:
         self._intervals = []
         self._open = None
         self._used = 0
+
+    def reserve(self, marks):
+        """Make the CUDA events of the next ``marks`` marks now (a probe that is not reset
+        between the warm-up and the timed calls: none is created inside an interval)."""
+        if self.xp is not numpy:
+            while len(self._events) < self._used + marks:
+                self._events.append(self.xp.cuda.Event())
 
     def _mark(self):
         if self.xp is numpy:

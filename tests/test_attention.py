@@ -387,6 +387,34 @@ def test_local_to_global_slots_vs_loop(block_size):
                 assert got[t, j] == page * block_size + p % block_size
 
 
+def test_paging_maps_every_out_of_range_input_to_minus_one():
+    """cpsparse.paging.page_slots (what the reference and the checks-off paths use): a
+    negative request id is not the table's last row, nor a position past the row, a
+    negative page id or a slot past int32 anything but -1 (never wrapped)."""
+    from cpsparse import paging
+    block = 16
+    big = paging.INT32_MAX // block                  # its slots past offset 15 overflow
+    table = np.array([[3, -1, 1], [2, big, 0]], np.int64)
+    cases = [  # (req, pos, expected slot)
+        (0, 5, 3 * block + 5), (1, 40, 0 * block + 8), (0, 16, -1), (0, -1, -1),
+        (-1, 5, -1), (2, 5, -1), (0, 3 * block, -1), (1, 16 + 15, big * block + 15),
+        (0, 47, 1 * block + 15)]
+    req = np.array([c[0] for c in cases])
+    pos = np.array([c[1] for c in cases])
+    got = paging.page_slots(table, req, pos, block)
+    assert got.dtype == np.int32
+    assert got.tolist() == [c[2] for c in cases]
+    # a page id whose slots pass int32: -1, not a wrapped slot of another request
+    assert paging.page_slots(np.array([[big + 1]], np.int64), 0, 0, block).tolist() == -1
+
+
+def test_decode_row_ends_clip_at_zero():
+    """Row (b, j) of next_n sees < L - next_n + j + 1 positions, never a negative end."""
+    from cpsparse import paging
+    ends = paging.decode_row_ends(np.array([1, 0, 5], np.int32), 3)
+    assert ends.tolist() == [0, 0, 1, 0, 0, 0, 3, 4, 5]
+
+
 def test_local_to_global_slots_default_block_size_example():
     got = local_to_global_slots(np.array([[0, 65, -1, 127]], np.int32),
                                 np.array([0], np.int32), np.array([[7, 3]], np.int32))

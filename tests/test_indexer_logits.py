@@ -364,6 +364,22 @@ def test_paged_mqa_logits_page_edges_by_float_keys():
                     assert got[row, p] == -np.inf
 
 
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_reference_paged_windows_end_at_max_context_len(next_n):
+    """With the host checks off (the kernels' production mode) max_context_len may be
+    shorter than a context: the reference's windows end there, so its logits are the
+    full-width logits cut at that column (the contract the kernels are tested against)."""
+    from cpsparse.reference import indexer as ref
+    rng = np.random.default_rng(72 + next_n)
+    cache, table, _, _ = build_paged_cache(rng, LENS)
+    lens = np.array(LENS, np.int32)
+    q8, w = decode_queries(rng, len(LENS), next_n, 8)
+    full = ref.paged_mqa_logits(q8, cache.data, PAGE, w, lens, table, max(LENS))
+    for width in (1, 64, 100, max(LENS) - 1):
+        got = ref.paged_mqa_logits(q8, cache.data, PAGE, w, lens, table, width)
+        np.testing.assert_array_equal(got, full[:, :width])
+
+
 def test_paged_mqa_logits_zero_length_request():
     rng = np.random.default_rng(71)
     cache, table, _, _ = build_paged_cache(rng, [70, 5])

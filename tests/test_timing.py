@@ -230,6 +230,13 @@ def test_probe_reuses_its_cuda_events_after_reset(clock):
     assert xp.created == 4
     driver()                                            # without a reset: new events
     assert xp.created == 8 and len(probe.times_ms()) == 4
+    probe.reserve(8)                                    # made now, used by the next marks
+    assert xp.created == 16
+    driver()
+    probe.reserve(4)                                    # 4 of the 8 are still unused
+    assert xp.created == 16
+    driver()
+    assert xp.created == 16 and len(probe.times_ms()) == 8
 
 
 def test_numpy_has_no_graphs_and_no_ceilings():
