@@ -96,6 +96,11 @@ def test_build_batch_refuses_page_ids_that_wrap_int32_or_do_not_exist():
                                          "id < num_blocks=2"):
         build_batch([5, 5], [0, 0], table, block_size=64, num_blocks=2)
     build_batch([5, 5], [0, 0], table, block_size=64, num_blocks=3)
+    # caches of more pages than int32 slots can address: the int32 bound still holds
+    with pytest.raises(ValueError, match="page id 33554432 in column 0, expected its slots "
+                                         "to fit int32"):
+        build_batch([5], [0], np.array([[2 ** 25]], np.int32), block_size=64,
+                    num_blocks=2 ** 26)
     # a page id only above the used columns is not read: fine
     build_batch([5], [0], np.array([[1, 2 ** 30]], np.int32), block_size=64, num_blocks=4)
 
