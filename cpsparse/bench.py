@@ -21,8 +21,8 @@ rotating inputs, CUDA events on CuPy, ``perf_counter`` on NumPy).
 * ``mtp``: a real :class:`cpsparse.mtp.MTPDrafter` round of 3 steps (step 0
   scores, steps 1+ reuse its top-k) against a round where every step scores
   again (a ``num_steps=1`` drafter called per step); the time of steps 1+, twice:
-  their indexer and attention calls (probed inside the forwards: what the reuse
-  removes and what it keeps, the seed's "kernel time on draft steps 1+") and
+  their indexer steps and attention calls (probed inside the forwards: what the
+  reuse removes and what it keeps, the seed's "kernel time on draft steps 1+") and
   their whole layer forwards.
 * ``decode_step``: one decode step of a layer, split into projections /
   indexer scoring / top-k / slots / sparse attention (public ops), the eager
@@ -76,10 +76,11 @@ WHAT = {
                      "reduction_pct only where the gate fires (None where L > index_topk: "
                      "it cannot)",
     "mtp": "steps 1+ of a real MTPDrafter round (reuse: step 0's top-k) vs the same steps "
-           "scoring again (MTPDrafter(num_steps=1) per step); path_*: their indexer calls "
-           "(sparse_attn_indexer_core) and attention calls (the layer's _sparse: slots + "
-           "sparse_mla_attention), probed inside the forwards and summed per round, the "
-           "seed's measure; forward_*: their whole layer forwards; *_effect_clear: both "
+           "scoring again (MTPDrafter(num_steps=1) per step); path_*: their indexer steps "
+           "(the layer's _score: the indexer's queries and keys, its cache insert, "
+           "scoring and top-k: all that the reuse skips) and attention calls (_sparse: "
+           "slots + sparse_mla_attention), probed inside the forwards and summed per "
+           "round, the seed's measure; forward_*: their whole layer forwards; *_effect_clear: both "
            "p10-p90 spreads narrower than the gap between the medians; round_*: the whole "
            "round; *_indexer_calls: indexer calls per round",
     "decode_step": "public ops of one decode step; attention_ms: sparse_mla_attention "
@@ -351,10 +352,11 @@ def _effect_clear(a, b):
 def bench_mtp(xp, s, rng, progress, weights):
     """Steps 1+ of an MTPDrafter round (reuse) vs the same steps scoring again.
 
-    Two figures of the same rounds: ``path_*`` the indexer and attention calls of
-    steps 1+ (what the reuse removes and what it keeps: the indexer call and the
-    layer's ``_sparse``, slots + sparse attention, each a probed interval, summed per
-    round), the seed's measure (kernel time on draft steps 1+); ``forward_*`` the
+    Two figures of the same rounds: ``path_*`` the indexer and attention work of
+    steps 1+ (what the reuse removes and what it keeps: the layer's ``_score``, the
+    indexer's queries, keys, cache insert, scoring and top-k, and its ``_sparse``,
+    slots + sparse attention, each a probed interval, summed per round), the seed's
+    measure (kernel time on draft steps 1+); ``forward_*`` the
     whole layer forwards of steps 1+ (projections, caches, the eager Python of the
     layer: the same in both, so the ratio is smaller)."""
     cfg = layer_config(s)
@@ -380,7 +382,7 @@ def bench_mtp(xp, s, rng, progress, weights):
             xs = [[_rng_array(xp, rng, (batch, cfg.hidden_size)) for _ in range(steps)]
                   for _ in range(s["sets"])]
             span = timing.Probe(xp)             # steps 1+, whole forwards
-            path = timing.Probe(xp)             # their indexer and attention calls
+            path = timing.Probe(xp)             # their indexer steps and attention calls
             path.recording = False
 
             def steps_begin():
@@ -408,12 +410,12 @@ def bench_mtp(xp, s, rng, progress, weights):
 
             inputs = [(j,) for j in range(s["sets"])]
             t, p, calls = {}, {}, {}
-            # reuse: one attention call a step; recompute: the indexer's and attention's
+            # reuse: one attention call a step; recompute: the indexer step's and attention's
             for mode, fn, per_step in (("reuse", reuse, 1), ("recompute", recompute, 2)):
                 layer.indexer.stats.reset()
                 path.reset()
                 path.reserve(2 * rounds * per_step * (steps - 1))    # (not reset by time_op)
-                with path.patch(_mla, _indexer_entry()), \
+                with path.patch(DeepseekV32MLA, "_score"), \
                         path.patch(DeepseekV32MLA, "_sparse"):
                     t[mode] = timing.time_op(xp, fn, inputs, probe=span, **it)
                 p[mode] = _per_round(path.times_ms(), rounds, per_step * (steps - 1),
@@ -668,7 +670,7 @@ def plot(results, out_dir):
     rows = results["scenarios"].get("mtp")
     if rows:
         fig, ax = plt.subplots(figsize=(7.5, 3.5))
-        for shift, key, label in ((-0.2, "path_speedup", "indexer + attention calls"),
+        for shift, key, label in ((-0.2, "path_speedup", "indexer steps + attention calls"),
                                   (0.2, "forward_speedup", "whole layer forwards")):
             ax.bar([i + shift for i in range(len(rows))], [r[key] for r in rows], 0.4,
                    label=label)
