@@ -463,6 +463,23 @@ def test_mla_gather_decodes_arbitrary_bytes():
     np.testing.assert_array_equal(rows[:, lora:], rope_vals)
 
 
+def test_reference_mla_read_gives_zero_rows_outside_the_cache():
+    """The reference read the kernels are checked against (checks off): a slot -1 or past
+    the cache reads nothing and gives a zero row; the others decode their records."""
+    from cpsparse.reference import cache as cache_ref
+    rng = np.random.default_rng(204)
+    lora, rope, nb, bs = 128, 64, 2, 4
+    cache = MLAKVCache(nb, bs, lora, rope)
+    cache.insert(rng.standard_normal((nb * bs, lora)).astype(np.float32),
+                 rng.standard_normal((nb * bs, rope)).astype(np.float32),
+                 np.arange(nb * bs, dtype=np.int32))
+    slots = np.array([3, -1, nb * bs, nb * bs + 7, 0], np.int64)
+    rows = cache_ref.mla_read(cache.data, slots, lora, rope)
+    assert rows.shape == (5, lora + rope)
+    np.testing.assert_array_equal(rows[1:4], 0)
+    np.testing.assert_array_equal(rows[[0, 4]], cache.gather(np.array([3, 0], np.int32)))
+
+
 def test_mla_docstring_example():
     cache = cpsparse.MLAKVCache(num_blocks=2, block_size=64)
     rng = np.random.default_rng(0)

@@ -80,6 +80,24 @@ def test_insert_writes_deepgemm_pages():
         np.testing.assert_array_equal(x, y)
 
 
+def test_insert_pads_scale_words_with_127_and_ignores_nan():
+    """D = 64: two scale bytes a key, padded to a 4-byte word with 127 (2**0) as DeepGEMM
+    packs them; a NaN in a group does not set its scale (it is ignored, as by the FP8
+    quantizer): the group's byte is that of the group with the NaN at 0."""
+    d = 64
+    rng = np.random.default_rng(1)
+    k = (rng.standard_normal((3, d)) * 3).astype(np.float32)
+    k[1, 40] = np.nan
+    cache = cpsparse.IndexerKCache(1, BS, d, dtype="mxfp4")
+    cache.insert(k, np.array([0, 1, 2], np.int32))
+    words = cache.data[0, BS * d // 2:].reshape(BS, 4)[:3]
+    assert (words[:, 2:] == 127).all()
+    clean = k.copy()
+    clean[1, 40] = 0
+    _, want = fp4.quantize(clean)
+    np.testing.assert_array_equal(words[:, :2], want)
+
+
 def _scores(q, k, w):
     """float64 sum_h w * relu(q . k) of unquantized q [M, H, D], k [N, D]."""
     return (np.maximum(np.einsum("mhd,nd->mhn", q, k), 0) * w[:, :, None]).sum(axis=1)
