@@ -23,7 +23,8 @@ def test_shards_cover_every_token_once(world, interleave):
             seen.append(g)
         seen = np.concatenate(seen) if seen else np.zeros(0, np.int64)
         assert np.array_equal(np.sort(seen), np.arange(n)), (world, interleave, n)
-    assert dcp.dcp_to_global(np.array([-1, 0]), 1, 2)[0] == -1
+    for r in range(world):                                # padding stays -1 on every rank
+        assert dcp.dcp_to_global(np.array([-1, 0]), r, world, interleave)[0] == -1
 
 
 def _rows(rng, m, n):
@@ -105,6 +106,19 @@ def test_merged_attention_equals_one_pass(world, interleave):
     np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=1e-6)
     assert np.isnan(out[4, 2]).all() and np.isnan(lse[4, 2])
     assert (out[2] == 0).all() and (lse[2] == -np.inf).all()
+
+
+def test_merged_attention_nan_on_one_rank_and_an_empty_ranks_out_ignored():
+    """A NaN lse on one rank makes the row NaN (one pass over all keys would); a rank
+    with no key of a row (lse -inf) is ignored whatever its out holds (NaN here)."""
+    outs = np.array([[[[1.0, 2.0]], [[np.nan, np.nan]]],
+                     [[[np.nan, 5.0]], [[3.0, 4.0]]]])          # [R=2, T=2, H=1, 2]
+    lses = np.array([[[0.5], [-np.inf]],
+                     [[np.nan], [0.25]]])                       # [R=2, T=2, H=1]
+    out, lse = dcp.merge_attention(outs, lses)
+    assert np.isnan(lse[0, 0]) and np.isnan(out[0, 0]).all()
+    np.testing.assert_array_equal(out[1, 0], [3.0, 4.0])
+    assert lse[1, 0] == 0.25
 
 
 def test_merged_attention_weights_by_lse():
