@@ -85,6 +85,17 @@ def test_topk_length_zero_short_and_past_topk():
     assert np.all(got[0][0] == 0) and np.all(got[1][0] == -np.inf)   # length 0: empty
 
 
+def test_an_empty_row_stays_zero_with_any_sink():
+    """A row with no key (lse -inf) keeps out 0 under every sink, -inf included (there
+    exp(sink - lse) is exp(nan): the factor must not be computed from it)."""
+    _, main, _, q, idx, _ = _inputs()
+    sink = np.array([0.5, np.inf, -np.inf, -3.0], np.float32)
+    lens = np.array([0, 3, 12, 40, 7], np.int64)
+    out, lse = sparse_mla_attention(q, main, idx, 0.1, attn_sink=sink, topk_length=lens)
+    assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)
+    _close((out, lse), oracle(q, [(main, idx, lens)], 0.1, LORA, sink))
+
+
 def test_masked_tail_is_never_read():
     rng = np.random.default_rng(3)
     main = _cache(rng, 2, nan_slot=7)
