@@ -32,22 +32,30 @@ def _per_call_us(fn, n=CALLS):
     return timing.time_cpu(fn, None, warmup=1, iters=n)["median_ms"] * 1e3
 
 
-def _profile(name, fn, out):
-    cp = harness.cupy()
-    for _ in range(50):
+def cprofile_report(fn, calls, xp=numpy, warmup=50, top=22):
+    """(Python function calls a call of ``fn``, the report of the ``top`` functions by own
+    time) of ``calls`` calls under :mod:`cProfile`, after ``warmup`` calls and a
+    synchronize (CuPy: the device idle at the start and the end)."""
+    for _ in range(warmup):
         fn()
-    cp.cuda.Device().synchronize()
+    timing.synchronize(xp)
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(CALLS):
+    for _ in range(calls):
         fn()
     prof.disable()
-    cp.cuda.Device().synchronize()
+    timing.synchronize(xp)
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
+    stats = pstats.Stats(prof, stream=s)
+    stats.sort_stats("tottime").print_stats(top)
+    return stats.total_calls / calls, s.getvalue()
+
+
+def _profile(name, fn, out):
+    _, report = cprofile_report(fn, CALLS, harness.cupy())
     print(f"==== {name}: {_per_call_us(fn):.1f} us per call (back to back, not profiled)",
           file=out)
-    print(s.getvalue(), file=out)
+    print(report, file=out)
 
 
 def _blocks(out):

@@ -20,15 +20,14 @@ On NumPy (``--numpy``) the same cases run at ``MLAConfig.small()`` sizes.
 """
 
 import argparse
-import cProfile
-import io
+import itertools
 import json
 import os
-import pstats
 import sys
 
 import numpy
 
+from benchmarks import profile_host
 from cpsparse import bench as _bench
 from cpsparse import mla as _mla
 from cpsparse import timing
@@ -119,36 +118,32 @@ def stage_times(xp, forward, inputs, warmup, iters):
     stages = {}
     for stage, owner, name in STAGES:
         probe = timing.Probe(xp)
-        with probe.patch(owner, name):          # warm already: the forwards above
+        with probe.patch(owner, name):
+            forward(*inputs[0])                 # how many calls a forward makes
+            calls = len(probe.times_ms())
+            if not calls:
+                continue
+            probe.reset()
+            probe.reserve(2 * calls * iters)    # no event made inside an interval
             for i in range(iters):
                 forward(*inputs[i % len(inputs)])
         times = numpy.asarray(probe.times_ms())
-        if times.size == 0:
-            continue
-        if times.size % iters:
-            raise RuntimeError(f"{stage}: {times.size} calls in {iters} forwards")
-        calls = times.size // iters
+        if times.size != calls * iters:
+            raise RuntimeError(f"{stage}: {times.size} calls in {iters} forwards, "
+                               f"{calls} in the first")
         per_forward = times.reshape(iters, calls).sum(axis=1)
         stages[stage] = dict(timing.summarize(per_forward.tolist()), calls=calls)
     return dict(forward=whole, host_us=host, stages=stages)
 
 
 def host_profile(forward, inputs, xp, calls, top=15):
-    """cProfile of ``calls`` forwards: (Python function calls a forward, the report of
-    the ``top`` functions by own time)."""
-    for args in inputs:
-        forward(*args)
-    timing.synchronize(xp)
-    prof = cProfile.Profile()
-    prof.enable()
-    for i in range(calls):
-        forward(*inputs[i % len(inputs)])
-    prof.disable()
-    timing.synchronize(xp)
-    s = io.StringIO()
-    stats = pstats.Stats(prof, stream=s)
-    stats.sort_stats("tottime").print_stats(top)
-    return stats.total_calls / calls, s.getvalue()
+    """cProfile of ``calls`` forwards over the rotating ``inputs``: (Python function calls
+    a forward, the report of the ``top`` functions by own time)."""
+    turn = itertools.count()
+
+    def one():
+        forward(*inputs[next(turn) % len(inputs)])
+    return profile_host.cprofile_report(one, calls, xp, warmup=len(inputs), top=top)
 
 
 def report(name, t, calls_per_forward=None):

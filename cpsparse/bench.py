@@ -365,7 +365,7 @@ def bench_mtp(xp, s, rng, progress, weights):
     layer = DeepseekV32MLA(cfg, name, is_mtp_layer=True, platform=StaticPlatform(cuda=True),
                            weights=weights, xp=xp)
     drafter, single = MTPDrafter(layer, steps), MTPDrafter(layer, 1)
-    it = dict(warmup=s["warmup"], iters=s.get("mtp_iters", s["iters"]))
+    it = dict(warmup=s["warmup"], iters=s["iters"])
     rounds = it["warmup"] + it["iters"]
     rows = []
     for batch in s["mtp_batches"]:
