@@ -36,6 +36,8 @@ import statistics
 import sys
 import time
 
+import numpy
+
 from benchmarks import harness
 from cpsparse import timing
 from cpsparse.reference import fp4, fp8
@@ -75,6 +77,9 @@ def workloads():
     for b, c, n in ((64, 32768, 1), (64, 32768, 2), (4, 131072, 1)):
         out.append(dict(name=f"indexer_decode_B{b}_ctx{c}_n{n}_mxfp4", kind="indexer_decode",
                         peer="deepgemm", B=b, ctx=c, next_n=n, keys="mxfp4"))
+    for b, c, n in ((64, 65536, 1), (64, 65536, 2)):   # issue 16: mixed context lengths
+        out.append(dict(name=f"indexer_decode_B{b}_ctx{c}_n{n}_mixed", kind="indexer_decode",
+                        peer="deepgemm", B=b, ctx=c, next_n=n, lens="mixed"))
     shapes = [("prefill", 8192, 8192)] + [("decode", r, c) for r, c in
                                           ((64, 32768), (64, 131072), (4, 131072), (1, 131072))]
     for variant in TOPK_VARIANTS:
@@ -260,6 +265,15 @@ def _decode_lens(cp, b, ctx, n):
     """2-D context lengths [B, next_n]: row (b, j) sees positions < ctx - n + j + 1."""
     row = (ctx - n + 1 + cp.arange(n, dtype=cp.int32)).astype(cp.int32)
     return cp.ascontiguousarray(cp.broadcast_to(row[None, :], (b, n)))
+
+
+def _mixed_decode_lens(cp, b, ctx, n, seed=16):
+    """2-D context lengths [B, next_n] of a mixed batch: request b's longest row sees L_b
+    positions, L_b uniform in [n, ctx] (a fixed seed: every run the same batch), row
+    (b, j) sees positions < L_b - n + j + 1."""
+    longest = numpy.random.default_rng(seed).integers(n, ctx + 1, size=b)
+    rows = longest[:, None] - n + 1 + numpy.arange(n)[None, :]
+    return cp.asarray(rows.astype(numpy.int32))
 
 
 def _poison_pool(cp, nbytes):
@@ -719,7 +733,8 @@ def run_indexer_decode(s, w):
     else:
         _fill_indexer(cp, cache.data)
     perm = cp.random.permutation(nsets * pages).astype(cp.int32)
-    lens = _decode_lens(cp, b, ctx, nn)
+    mixed = w.get("lens") == "mixed"
+    lens = _mixed_decode_lens(cp, b, ctx, nn) if mixed else _decode_lens(cp, b, ctx, nn)
     sets = [(_codes(cp, (b, nn, H_IDX, D)),
              cp.random.standard_normal((b * nn, H_IDX), dtype=cp.float32),
              cp.ascontiguousarray(perm[j * pages:(j + 1) * pages].reshape(b, -1)))
@@ -734,15 +749,17 @@ def run_indexer_decode(s, w):
     got = _side_by_side(s, lambda q, wt, tab: cps.paged_mqa_logits(q, ours_cache, wt, lens, tab,
                                                                    ctx),
                         sets, 10, [b * nn * ctx * 4], ["deep_gemm"], make_peer)
+    keys_read = int(lens[:, -1].sum())          # each request's keys, read once
     shapes = dict(B=b, ctx=ctx, next_n=nn, H=H_IDX, D=D, page_sets=nsets,
-                  keys="mxfp4" if fp4 else "fp8")
+                  keys="mxfp4" if fp4 else "fp8", lens="mixed" if mixed else "full",
+                  mean_context=keys_read / b)
     key_bytes = (D // 2 + 4) if fp4 else (D + 4)
     if fp4:
         got["notes"].append("cpsparse reads MXFP4 pages (68 bytes a key), the peer "
                             "DeepGEMM's fp8 kernel the same keys as fp8 pages (132 bytes; "
                             "DeepGEMM's MXFP4 kernel is SM100 only); queries fp8 on both")
     row = make_row(w["name"], w["peer"], shapes,
-                   nbytes=b * ctx * key_bytes + b * nn * ctx * 4, **got)
+                   nbytes=keys_read * key_bytes + b * nn * ctx * 4, **got)
     row["copy_tbs"] = _copy_tbs(s)
     if row.get("cpsparse_kernel_tbs"):
         row["cpsparse_fraction_of_copy"] = row["cpsparse_kernel_tbs"] / row["copy_tbs"]

@@ -24,6 +24,8 @@ DESIGN_NAMES = (
     # issue 20: MXFP4 keys against DeepGEMM's fp8 on the same contexts
     + [f"indexer_decode_{w}_mxfp4" for w in ("B64_ctx32768_n1", "B64_ctx32768_n2",
                                              "B4_ctx131072_n1")]
+    # issue 16: a batch of mixed context lengths (the decode schedule balanced over them)
+    + [f"indexer_decode_B64_ctx65536_n{n}_mixed" for n in (1, 2)]
     + [base + suffix for suffix in ("", "_shift100", "_scale1e-8", "_low10bits")
        for base in ("topk_prefill_8192x8192_causal", "topk_decode_64x32768",
                     "topk_decode_64x131072", "topk_decode_4x131072", "topk_decode_1x131072")]
@@ -41,7 +43,7 @@ def _t(ms):
 
 def test_row_names_are_design_section_12():
     assert sorted(bp.row_names()) == sorted(DESIGN_NAMES)
-    assert len(set(bp.row_names())) == len(DESIGN_NAMES) == 50
+    assert len(set(bp.row_names())) == len(DESIGN_NAMES) == 52
     for w in bp.workloads():
         assert w["peer"] == PEERS[w["name"].split("_")[0]], w
         assert w["kind"] in bp.RUNNERS and w["kind"] in bp.KERNEL_MODULES
@@ -49,7 +51,7 @@ def test_row_names_are_design_section_12():
 
 def test_only_selects_by_prefix():
     names = lambda prefixes: [w["name"] for w in bp.select(prefixes)]  # noqa: E731
-    assert len(names(None)) == 46
+    assert len(names(None)) == 48
     assert names(["mla_decode"]) == DESIGN_NAMES[:5]
     assert names(["indexer_decode_B64_ctx32768_n2"]) == ["indexer_decode_B64_ctx32768_n2",
                                                          "indexer_decode_B64_ctx32768_n2_mxfp4"]
@@ -245,3 +247,13 @@ def test_rounds_note_names_the_side_timed_first_in_each_round():
     _, got = _order_run(False, rounds=2)
     note = next(n for n in got["notes"] if n and "rounds" in n)
     assert "timed first by round: cpsparse, peer" in note, note
+
+
+def test_mixed_decode_lens_are_one_fixed_batch_within_the_width():
+    """The mixed workloads' lengths: the same batch every run (seeded), every request's
+    longest row within [next_n, ctx], its rows one position apart, and mixed indeed."""
+    a = bp._mixed_decode_lens(np, 64, 65536, 2)
+    assert a.shape == (64, 2) and a.dtype == np.int32
+    assert np.array_equal(a, bp._mixed_decode_lens(np, 64, 65536, 2))
+    assert (a[:, 1] - a[:, 0] == 1).all() and a.min() >= 1 and a.max() <= 65536
+    assert a[:, 1].max() > 4 * a[:, 1].min()
