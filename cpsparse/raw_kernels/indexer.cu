@@ -215,10 +215,16 @@ struct CpsIdxSmem {
     int* bt;        // [BT_CAP] page ids of the piece (decode)
 };
 
-__host__ __device__ __forceinline__ int cps_idx_smem_bytes(int q_rows, int stages) {
+__host__ __device__ __forceinline__ constexpr int cps_idx_smem_bytes(int q_rows, int stages) {
     return 1024 + q_rows * CPS_IDX_D + stages * (CPS_IDX_TILE_BYTES + CPS_IDX_TILE * 4)
            + q_rows * 4 + 2 * CPS_IDX_MAX_ROWS * 4 + CPS_IDX_BT_CAP * 4;
 }
+// The launcher's smem_bytes() at the smallest and the largest CTA it plans (each term of
+// the carve enters one of them with its own factor): a launch with less shared memory
+// than cps_idx_carve lays out would write past it.
+static_assert(cps_idx_smem_bytes(64, 3) == CPS_IDX_SMEM_Q64_S3
+                  && cps_idx_smem_bytes(512, 4) == CPS_IDX_SMEM_Q512_S4,
+              "the launcher's smem_bytes() is not what cps_idx_carve lays out");
 
 __device__ __forceinline__ CpsIdxSmem cps_idx_carve(u8* raw, int q_rows, int stages) {
     const u32 a = cps_smem_u32(raw);

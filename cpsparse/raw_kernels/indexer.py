@@ -51,6 +51,13 @@ N64_FP4_H64_CTAS_PER_SM = 5   # (CPS_IDX_N64_FP4_H64_MINB)
 MAX_PIECE_TILES = 128
 
 
+def smem_bytes(q_rows, stages=STAGES):
+    """Dynamic shared memory of one CTA (cps_idx_smem_bytes in indexer.cu, which a
+    static_assert holds to this)."""
+    return (1024 + q_rows * D + stages * (TILE * D + TILE * 4) + q_rows * 4
+            + 2 * MAX_ROWS * 4 + BT_CAP * 4)
+
+
 def ws_smem_bytes(stages=WS_STAGES, math=WS_MATH):
     """Dynamic shared memory of the warp-specialized prefill CTA (CPS_IDX_WS_SMEM, which
     a static_assert holds to this): 2 query slots, the key ring and its scales, 2 weight
@@ -88,6 +95,7 @@ raw_kernels.register_module(
                  CPS_IDX_WS_MATH=WS_MATH, CPS_IDX_WS_STAGES=WS_STAGES,
                  CPS_IDX_WS_PREGS=WS_PRODUCER_REGS, CPS_IDX_WS_MREGS=WS_MATH_REGS,
                  CPS_IDX_WS_SMEM_LAUNCH=ws_smem_bytes(),
+                 CPS_IDX_SMEM_Q64_S3=smem_bytes(64, 3), CPS_IDX_SMEM_Q512_S4=smem_bytes(512, 4),
                  CPS_IDX_WSD_SMEM_LAUNCH=WSD_SMEM[False],
                  CPS_IDX_WSD_FP4_STAGES=WSD_FP4_STAGES,
                  CPS_IDX_WSD_FP4_SMEM_LAUNCH=WSD_SMEM[True],
@@ -110,12 +118,6 @@ PAGED_WS_ARGS = "PPPP i P ii P iiiii"
 PATHS = ("wgmma", "mma")
 # "wgmma" or "mma"; CPSPARSE_INDEXER_PATH overrides (wgmma needs compute capability 9.0).
 DEFAULT_PATH = os.environ.get("CPSPARSE_INDEXER_PATH", "wgmma")
-
-
-def smem_bytes(q_rows, stages=STAGES):
-    """Dynamic shared memory of one CTA (cps_idx_smem_bytes in indexer.cu)."""
-    return (1024 + q_rows * D + stages * (TILE * D + TILE * 4) + q_rows * 4
-            + 2 * MAX_ROWS * 4 + BT_CAP * 4)
 
 
 def _pick_path(path):
