@@ -202,6 +202,41 @@ def test_packer_writes_each_parameter_in_its_slot():
         pack(buffer, (Array(), 1, 2, 0.5))              # one argument short
 
 
+def test_bind_checks_int64_parameters_as_eight_bytes(monkeypatch):
+    """The first lookup compares the signature's sizes with the compiled kernel's: a
+    pointer and an int64 take 8 bytes, an int32 and a float32 4 (CPU: the driver's answer
+    faked)."""
+    monkeypatch.setattr(raw_kernels, "_driver_launch", lambda: None)
+    monkeypatch.setattr(raw_kernels, "_param_sizes", lambda fptr: [8, 8, 4, 4])
+    raw_kernels.Kernel(_Raw(), "k", "Pqif").bind(_CP)
+    for wrong in ("Piif", "PqPf", "Pqi"):
+        with pytest.raises(RuntimeError, match="parameter sizes"):
+            raw_kernels.Kernel(_Raw(), "k", wrong).bind(_CP)
+
+
+@pytest.mark.parametrize("dtype", ["uint32", "float32", "int64", "int16"])
+def test_index_arrays_other_than_int32_are_converted(monkeypatch, dtype):
+    """index_i32 hands an int32 array to the kernels as it is and converts every other
+    dtype, a 4-byte one too (uint32 or float32 bits read as int32 would be other indices),
+    with the conversion kernel (CPU: NumPy for CuPy, the kernel recorded)."""
+    import numpy as np
+    launched = []
+
+    class Fn:
+        def __call__(self, grid, block, args):
+            launched.append((grid, block, args[2]))
+
+    monkeypatch.setattr(raw_kernels, "kernel", lambda module, name, signature: Fn())
+    monkeypatch.setattr(raw_kernels, "device_facts", lambda: raw_kernels.DeviceFacts(
+        0, (9, 0), 132, 233472, 232448))
+    same = np.arange(5, dtype=np.int32)
+    assert raw_kernels.index_i32(np, same) is same
+    assert raw_kernels.index_i32(np, None) is None
+    got = raw_kernels.index_i32(np, np.arange(5, dtype=dtype))
+    assert got.dtype == np.int32 and got.shape == (5,)
+    assert launched == [((1,), (256,), 5)]
+
+
 def test_bad_signature_letter_is_refused():
     with pytest.raises(ValueError, match="Invalid signature"):
         raw_kernels.Kernel(None, "t", "Px")

@@ -239,6 +239,30 @@ def test_capability_rules():
     hopper = raw_kernels.exactly((9, 0))
     assert (9, 0) in hopper and "90" in hopper and (10, 0) not in hopper and (9, 1) not in hopper
     assert str(hopper) == "9.0 only"
+    assert raw_kernels.exactly((10, 0), (9, 0)).lowest == (9, 0)
+    assert caps.lowest == (9, 0)
+    with pytest.raises(ValueError, match="exactly one"):
+        raw_kernels.Capabilities(minimum=(8, 0), only=((9, 0),))
+
+
+@pytest.mark.parametrize("cc", ["9", "", "x0", "9.x", "-90"])
+def test_capability_strings_that_name_no_device_are_refused(cc):
+    """CuPy's compute-capability strings are "<major><minor>" with one minor digit: a single
+    digit or a non-number is no capability."""
+    with pytest.raises(ValueError, match="Invalid compute capability" if "." not in cc
+                       else "invalid literal"):
+        raw_kernels.parse_capability(cc)
+
+
+def test_grid_sizes(monkeypatch):
+    """blocks_for rounds up (at least one block); a grid-stride loop's grid stops at 16
+    CTAs an SM."""
+    assert [raw_kernels.blocks_for(n, 256) for n in (0, 1, 256, 257, 512, 513)] == \
+        [1, 1, 1, 2, 2, 3]
+    monkeypatch.setattr(raw_kernels, "device_facts", lambda: raw_kernels.DeviceFacts(
+        0, (9, 0), 132, 233472, 232448))
+    assert raw_kernels.grid_stride_blocks(1000, 256) == 4
+    assert raw_kernels.grid_stride_blocks(10**9, 256) == 132 * 16
 
 
 def test_module_source_concatenates_headers_first():
