@@ -74,6 +74,10 @@ def test_make_row_schema():
     assert abs(row["speedup"] - 0.25) < 1e-12 and abs(row["kernel_speedup"] - 0.2) < 1e-12
     assert row["notes"] == ["x"]
     assert abs(row["cpsparse_kernel_tflops"] - 2e9 / 0.15e-3 / 1e12) < 1e-9
+    moved = bp.make_row("indexer_decode_B1_ctx32768_n1", "deepgemm", {}, _t(2.0), _t(1.0),
+                        _t(2.0), _t(0.5), nbytes=4e9)            # 4 GB in 1 ms: 4 TB/s
+    assert abs(moved["cpsparse_kernel_tbs"] - 4.0) < 1e-12
+    assert abs(moved["peer_kernel_tbs"] - 8.0) < 1e-12
     bare = bp.make_row("topk_decode_1x131072", "torch.topk", {}, _t(0.05), None,
                        peer_unavailable="no torch")
     assert bare["peer_ms"] is None and bare["speedup"] is None
@@ -120,6 +124,11 @@ def test_topk_check_allows_ties_and_catches_errors():
     poisoned[0, 5] = 1 << 30
     assert not bp._topk_check(np, short, np.array([3], np.int32), poisoned,
                               -np.sort(-short, axis=1)[:, :k])[1]["ok"]
+    # one past the window (position len) is outside it, though within the row's width
+    past = np.array([[0, 1, 3] + [-1] * (k - 3)], np.int32)
+    check = bp._topk_check(np, short, np.array([3], np.int32), past,
+                           -np.sort(-short, axis=1)[:, :k])[1]
+    assert check["rows_out_of_window"] == 1 and not check["ok"]
 
 
 def test_logits_check_prefill_and_decode():
@@ -137,6 +146,19 @@ def test_logits_check_prefill_and_decode():
     leak = ours.copy()
     leak[0, 3] = 1.0                                   # cpsparse wrote past the window
     assert bp._logits_check(np, leak, garbage, visible)[1]["mask_mismatches"] == 1
+    nan = ours.copy()
+    nan[2, 1] = np.nan                # a NaN logit: no finite difference to see, still bad
+    err, check = bp._logits_check(np, nan, ours, visible)
+    assert check["nan_ours"] == 1 and not check["ok"]
+
+
+def test_relative_error_compares_where_both_sides_are_finite():
+    """_rel: max |ours - theirs| / max |theirs| over the entries both sides hold finite
+    (a peer's -inf outside a window is not a difference); 0 for empty arrays."""
+    ours = np.array([1.0, 2.0, 5.0], np.float32)
+    theirs = np.array([1.0, 2.5, np.inf], np.float32)
+    assert bp._rel(np, ours, theirs) == 0.5 / 2.5
+    assert bp._rel(np, ours[:0], theirs[:0]) == 0.0
 
 
 def test_mla_check():
@@ -147,6 +169,10 @@ def test_mla_check():
     nan = out.copy()
     nan[0, 0, 0] = np.nan
     assert bp._mla_check(np, nan, lse, out, lse)[1]["nonfinite_ours"] == 1
+    off = lse.copy()
+    off[1, 2] += 0.1                     # lse off by 0.1 (a 10% weight error in a merge)
+    err, check = bp._mla_check(np, out, off, out, lse)
+    assert check["lse_max_abs_err"] > 0.09 and not check["ok"]
 
 
 def test_list_runs_without_torch_or_cupy():
