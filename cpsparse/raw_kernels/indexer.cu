@@ -219,10 +219,11 @@ __host__ __device__ __forceinline__ constexpr int cps_idx_smem_bytes(int q_rows,
     return 1024 + q_rows * CPS_IDX_D + stages * (CPS_IDX_TILE_BYTES + CPS_IDX_TILE * 4)
            + q_rows * 4 + 2 * CPS_IDX_MAX_ROWS * 4 + CPS_IDX_BT_CAP * 4;
 }
-// The launcher's smem_bytes() at the smallest and the largest CTA it plans (each term of
-// the carve enters one of them with its own factor): a launch with less shared memory
-// than cps_idx_carve lays out would write past it.
+// The launcher's smem_bytes() at three CTAs it plans: both are affine in q_rows and
+// stages, so three points not on one line make them the same function. A launch with
+// less shared memory than cps_idx_carve lays out would write past it.
 static_assert(cps_idx_smem_bytes(64, 3) == CPS_IDX_SMEM_Q64_S3
+                  && cps_idx_smem_bytes(128, 4) == CPS_IDX_SMEM_Q128_S4
                   && cps_idx_smem_bytes(512, 4) == CPS_IDX_SMEM_Q512_S4,
               "the launcher's smem_bytes() is not what cps_idx_carve lays out");
 
