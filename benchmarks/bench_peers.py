@@ -40,6 +40,7 @@ import numpy
 
 from benchmarks import harness
 from cpsparse import timing
+from cpsparse.paging import decode_row_ends
 from cpsparse.reference import fp4, fp8
 
 K, BS, D, H_IDX, D_QK, D_V, RECORD = 2048, 64, 128, 64, 576, 512, 656
@@ -261,19 +262,22 @@ def _positions(cp, rows, width, k):
                       axis=1)[:, :k].astype(cp.int32)
 
 
+def _rows_lens(cp, longest, n):
+    """2-D context lengths [B, next_n] of requests whose longest row sees ``longest[b]``
+    positions: row (b, j) sees < L_b - n + j + 1 (cpsparse.paging.decode_row_ends)."""
+    rows = decode_row_ends(numpy.asarray(longest), n).reshape(len(longest), n)
+    return cp.asarray(rows.astype(numpy.int32))
+
+
 def _decode_lens(cp, b, ctx, n):
     """2-D context lengths [B, next_n]: row (b, j) sees positions < ctx - n + j + 1."""
-    row = (ctx - n + 1 + cp.arange(n, dtype=cp.int32)).astype(cp.int32)
-    return cp.ascontiguousarray(cp.broadcast_to(row[None, :], (b, n)))
+    return _rows_lens(cp, numpy.full(b, ctx), n)
 
 
 def _mixed_decode_lens(cp, b, ctx, n, seed=16):
     """2-D context lengths [B, next_n] of a mixed batch: request b's longest row sees L_b
-    positions, L_b uniform in [n, ctx] (a fixed seed: every run the same batch), row
-    (b, j) sees positions < L_b - n + j + 1."""
-    longest = numpy.random.default_rng(seed).integers(n, ctx + 1, size=b)
-    rows = longest[:, None] - n + 1 + numpy.arange(n)[None, :]
-    return cp.asarray(rows.astype(numpy.int32))
+    positions, L_b uniform in [n, ctx] (a fixed seed: every run the same batch)."""
+    return _rows_lens(cp, numpy.random.default_rng(seed).integers(n, ctx + 1, size=b), n)
 
 
 def _poison_pool(cp, nbytes):
