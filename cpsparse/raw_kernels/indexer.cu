@@ -1362,15 +1362,15 @@ __device__ __forceinline__ void cps_paged_ws_body(
         const u32 dst_off = FP4 ? ptid * 16 : rr * CPS_IDX_D + (((ptid & 7) ^ (rr & 7)) << 4);
         const u8* const code_src = cache + (FP4 ? ptid * 16 : rr * CPS_IDX_D + (ptid & 7) * 16);
         const u8* const scale_src = cache + CPS_IDX_TILE * KB + (ptid & 63) * 4;
-        int p = (int)share[CPS_IDX_WS_THREADS / 32];     // this CTA's share (cps_wsd_share)
+        int pos = (int)share[CPS_IDX_WS_THREADS / 32];   // this CTA's share (cps_wsd_share)
         const int p_end = (int)share[CPS_IDX_WS_THREADS / 32 + 1];
         const int U = (width + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
         unsigned kv = 0;
         int it = 0;                                     // items handed to the math warpgroups
-        while (p < p_end) {
-            const int b = p / U, s0 = p - b * U;
+        while (pos < p_end) {
+            const int b = pos / U, s0 = pos - b * U;
             const int s1 = min(min(U, s0 + piece_stages), p_end - b * U);
-            p += s1 - s0;
+            pos += s1 - s0;
             const int own_lo = s0 * CPS_IDX_WS_KEYS;
             const int own_hi = min(s1 * CPS_IDX_WS_KEYS, width);
             const long long row0 = (long long)b * NN;

@@ -327,8 +327,9 @@ def ws_decode_plan(batch, width, sms, fp4=False):
     share the batch's stages (4 pages) at run time, from the context lengths on the device
     (indexer.cu's ``cps_wsd_share``: equal shares of work whatever the lengths, a stage
     with keys weighing ``WSD_KEY_WEIGHT`` times one past every row's context), so the plan
-    depends on the shapes alone. A CTA walks its share in items of at most ``BT_CAP``
-    pages (piece_tiles; ``pieces``: the most items a request's row takes).
+    depends on the shapes alone. A CTA walks its share in items of one request, at most
+    ``BT_CAP`` pages each (piece_tiles; ``pieces``: a row's width in such items, the
+    plan tuple's last field, unused by the launch).
     """
     stages_w = -(-int(width) // (TILE * WS_MATH))
     return ("ws", 128, 1, 64, WSD_FP4_STAGES if fp4 else WS_STAGES, BT_CAP,
