@@ -1208,7 +1208,8 @@ static_assert(sizeof(CpsIdxWsdMeta) == CPS_IDX_WSD_META_BYTES,
 // swizzled, MXFP4 keys packed, key r of a page at 64 r), key scales [S][KEYS], weights
 // [2][128], work items [2], mbarriers QFULL[2], QEMPTY[2], KFULL[S], KEMPTY[S], the
 // stages' missing-page masks [S], an item's page ids [BT_CAP] (before the first item:
-// cps_wsd_share's scratch, 8-byte aligned).
+// cps_wsd_share's scratch, 8-byte aligned), the rows' window ends of up to 640 requests
+// [640][2] (cps_wsd_share).
 template <int S, int KB>
 struct CpsWsdLayout {
     static constexpr int SLOT = CPS_IDX_WS_KEYS * KB;            // a stage's codes
@@ -1219,7 +1220,8 @@ struct CpsWsdLayout {
     static constexpr int OFF_BAR = OFF_META + 2 * (int)sizeof(CpsIdxWsdMeta);
     static constexpr int OFF_PM = OFF_BAR + (4 + 2 * S) * 8;
     static constexpr int OFF_BT = OFF_PM + S * 4;
-    static constexpr int SMEM = 1024 + OFF_BT + CPS_IDX_BT_CAP * 4;
+    static constexpr int OFF_ENDS = OFF_BT + CPS_IDX_BT_CAP * 4;
+    static constexpr int SMEM = 1024 + OFF_ENDS + CPS_IDX_WS_THREADS * 2 * 4;
 };
 static_assert(CpsWsdLayout<CPS_IDX_WS_STAGES, CPS_IDX_D>::SMEM == CPS_IDX_WSD_SMEM_LAUNCH
                   && CpsWsdLayout<CPS_IDX_WSD_FP4_STAGES, CPS_IDX_D / 2>::SMEM
@@ -1237,21 +1239,28 @@ static_assert(128 * CPS_IDX_WSD_PREGS + CPS_IDX_WS_MATH_THREADS * CPS_IDX_WSD_MR
                   <= CPS_IDX_WS_THREADS * CPS_IDX_WS_LAUNCH_REGS,
               "setmaxnreg split exceeds the CTA's register pool");
 
+// The window end [0, end) of query row r of request b: its context clamped to the width.
+template <int NN>
+__device__ __forceinline__ int cps_wsd_row_end(const int* __restrict__ lens, int lens_2d, int b,
+                                               int r, int width) {
+    const int end = lens_2d ? lens[b * NN + r] : max(lens[b] - NN + r + 1, 0);
+    return min(max(end, 0), width);
+}
+
 // The weight of request b in cps_wsd_share: U stages, those holding keys of any of its
-// rows (the first ceil(len / 256), len the longest row's context clamped to the width)
-// weighing CPS_IDX_WSD_KEY_WEIGHT, the rest (only -inf to write) 1. Its key stages: nk.
+// rows (the first ceil(end / 256), end the longest row's window end) weighing
+// CPS_IDX_WSD_KEY_WEIGHT, the rest (only -inf to write) 1. Its key stages: nk; its rows'
+// window ends: ends.
 template <int NN>
 __device__ __forceinline__ long long cps_wsd_weight(const int* __restrict__ lens, int lens_2d,
-                                                    int b, int width, int U, int& nk) {
-    int len;
-    if (lens_2d) {
-        len = lens[b * NN];
+                                                    int b, int width, int U, int& nk,
+                                                    int (&ends)[NN]) {
+    int len = 0;
 #pragma unroll
-        for (int j = 1; j < NN; ++j) len = max(len, lens[b * NN + j]);
-    } else {
-        len = lens[b];                 // (row NN - 1 sees len, the others fewer)
+    for (int r = 0; r < NN; ++r) {
+        ends[r] = cps_wsd_row_end<NN>(lens, lens_2d, b, r, width);
+        len = max(len, ends[r]);
     }
-    len = min(max(len, 0), width);
     nk = (len + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
     return (long long)U + (long long)(CPS_IDX_WSD_KEY_WEIGHT - 1) * nk;
 }
@@ -1263,21 +1272,31 @@ __device__ __forceinline__ long long cps_wsd_weight(const int* __restrict__ lens
 // one stage's of total / gridDim.x. All NT threads of the CTA take part (before the
 // warpgroups part ways: the lengths' loads are one round trip up to NT requests a CTA):
 // thread tid sums a contiguous chunk of requests, a block scan places the chunks, and
-// the thread whose chunk holds a cut finds its position. scratch: NT / 32 + 2 u64 of
-// shared memory (free until the first item); p_lo / p_hi land in scratch[NT / 32 + 0/1].
+// the thread whose chunk holds a cut finds its position (only threads with requests
+// work past the scan: the 64-bit divisions of 640 threads cost ~0.4 us). scratch: NT / 32
+// + 2 u64 of shared memory (free until the first item); p_lo / p_hi land in
+// scratch[NT / 32 + 0/1]. Up to NT requests (one a thread), each request's rows' window
+// ends go to s_ends[b NN + r], where the producer reads them (a second round trip to
+// global memory took ~0.7 us of a B=1 launch's 5).
 template <int NN, int NT>
 __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int lens_2d,
                                               int batch, int width, int tid,
-                                              unsigned long long* scratch) {
+                                              unsigned long long* scratch, int* s_ends) {
     constexpr int NW = NT / 32;
     const int U = (width + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
     const int chunk = (batch + NT - 1) / NT;
     const int b0 = min(tid * chunk, batch), b1 = min(b0 + chunk, batch);
     const int lane = tid & 31, warp = tid >> 5;
     long long sum = 0;
-    int nk;
+    int nk, ends[NN];
 #pragma unroll 4
-    for (int b = b0; b < b1; ++b) sum += cps_wsd_weight<NN>(lens, lens_2d, b, width, U, nk);
+    for (int b = b0; b < b1; ++b) {
+        sum += cps_wsd_weight<NN>(lens, lens_2d, b, width, U, nk, ends);
+        if (chunk == 1) {
+#pragma unroll
+            for (int r = 0; r < NN; ++r) s_ends[b * NN + r] = ends[r];
+        }
+    }
     long long incl = sum;                               // inclusive scan over the warp
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -1296,7 +1315,7 @@ __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int 
     const long long start = before + incl - sum;       // the weight before request b0
     const long long c = blockIdx.x, g = gridDim.x;
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
+    for (int k = 0; k < 2 && b0 < b1; ++k) {
         // cut k: the first position whose weight before it reaches x (0 -> 0; total ->
         // batch U, found in the last nonempty chunk)
         const long long x = (c + k) * total / g;
@@ -1305,7 +1324,7 @@ __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int 
         } else if (x > start && x <= start + sum) {
             long long before_b = start;
             for (int b = b0; b < b1; ++b) {
-                const long long wb = cps_wsd_weight<NN>(lens, lens_2d, b, width, U, nk);
+                const long long wb = cps_wsd_weight<NN>(lens, lens_2d, b, width, U, nk, ends);
                 if (x <= before_b + wb) {
                     const long long r = x - before_b;            // 1 <= r <= wb
                     const long long kw = (long long)CPS_IDX_WSD_KEY_WEIGHT * nk;
@@ -1342,13 +1361,14 @@ __device__ __forceinline__ void cps_paged_ws_body(
     CpsIdxWsdMeta* meta = reinterpret_cast<CpsIdxWsdMeta*>(base + L::OFF_META);
     volatile int* s_pm = reinterpret_cast<volatile int*>(base + L::OFF_PM);
     int* s_bt = reinterpret_cast<int*>(base + L::OFF_BT);
+    int* s_ends = reinterpret_cast<int*>(base + L::OFF_ENDS);
     const u32 bar = sbase + L::OFF_BAR;
     const u32 kfull = bar + 32, kempty = bar + 32 + 8 * S;
     const int tid = threadIdx.x, lane = tid & 31;
     if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 1);
     // (cps_wsd_share's first __syncthreads also publishes the barriers' init)
     unsigned long long* share = reinterpret_cast<unsigned long long*>(s_bt);
-    cps_wsd_share<NN, CPS_IDX_WS_THREADS>(lens, lens_2d, batch, width, tid, share);
+    cps_wsd_share<NN, CPS_IDX_WS_THREADS>(lens, lens_2d, batch, width, tid, share, s_ends);
 
     if (tid >= CPS_IDX_WS_MATH_THREADS) {
         // ---- producer warpgroup ----
@@ -1374,12 +1394,12 @@ __device__ __forceinline__ void cps_paged_ws_body(
             const int own_lo = s0 * CPS_IDX_WS_KEYS;
             const int own_hi = min(s1 * CPS_IDX_WS_KEYS, width);
             const long long row0 = (long long)b * NN;
-            // Windows [0, end) of the rows, clamped to the width.
+            // Windows [0, end) of the rows, clamped to the width (kept by cps_wsd_share
+            // for up to 640 requests).
             int end = 0;
-            if (lane < NN) {
-                end = lens_2d ? lens[b * NN + lane] : max(lens[b] - NN + lane + 1, 0);
-                end = min(max(end, 0), width);
-            }
+            if (lane < NN)
+                end = batch <= CPS_IDX_WS_THREADS ? s_ends[b * NN + lane]
+                                                  : cps_wsd_row_end<NN>(lens, lens_2d, b, lane, width);
             const int hi = min(__reduce_max_sync(0xffffffffu, end), own_hi);
             int t_hi = own_lo, nst = 0;
             if (hi > own_lo) {

@@ -76,13 +76,14 @@ def ws_decode_smem_bytes(fp4=False, stages=None, math=WS_MATH):
     """Dynamic shared memory of the warp-specialized decode CTA (indexer.cu's
     CpsWsdLayout): the 1024-byte alignment slack, 2 query slots, ``stages`` stages of fp8
     or MXFP4 codes (default WS_STAGES or WSD_FP4_STAGES) and their scales, 2 weight
-    slots, 2 work items, 4 + 2 * stages mbarriers, a missing-page mask a stage and the
-    page ids of an item."""
+    slots, 2 work items, 4 + 2 * stages mbarriers, a missing-page mask a stage, the
+    page ids of an item and the rows' window ends of up to WS_THREADS requests."""
     if stages is None:
         stages = WSD_FP4_STAGES if fp4 else WS_STAGES
     keys = TILE * math
     return (1024 + 2 * 128 * D + stages * keys * ((D // 2 if fp4 else D) + 4) + 2 * 128 * 4
-            + 2 * WSD_META_BYTES + (4 + 2 * stages) * 8 + 4 * stages + 4 * BT_CAP)
+            + 2 * WSD_META_BYTES + (4 + 2 * stages) * 8 + 4 * stages + 4 * BT_CAP
+            + 4 * 2 * WS_THREADS)
 
 
 # The ws decode kernels' launch shared memory by key format (fp4: MXFP4), their rings at
