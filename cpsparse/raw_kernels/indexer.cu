@@ -1324,7 +1324,10 @@ __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int 
         } else if (x > start && x <= start + sum) {
             long long before_b = start;
             for (int b = b0; b < b1; ++b) {
-                const long long wb = cps_wsd_weight<NN>(lens, lens_2d, b, width, U, nk, ends);
+                // (one request a thread: its weight and key stages are still in registers;
+                // reading the lengths again cost a second round trip, ~1.3 us at B=1)
+                const long long wb = chunk == 1 ? sum
+                                                : cps_wsd_weight<NN>(lens, lens_2d, b, width, U, nk, ends);
                 if (x <= before_b + wb) {
                     const long long r = x - before_b;            // 1 <= r <= wb
                     const long long kw = (long long)CPS_IDX_WSD_KEY_WEIGHT * nk;
