@@ -1208,8 +1208,9 @@ static_assert(sizeof(CpsIdxWsdMeta) == CPS_IDX_WSD_META_BYTES,
 // swizzled, MXFP4 keys packed, key r of a page at 64 r), key scales [S][KEYS], weights
 // [2][128], work items [2], mbarriers QFULL[2], QEMPTY[2], KFULL[S], KEMPTY[S], the
 // stages' missing-page masks [S], an item's page ids [BT_CAP] (before the first item:
-// cps_wsd_share's scratch, 8-byte aligned), the rows' window ends of up to 640 requests
-// [640][2] (cps_wsd_share).
+// cps_wsd_share's scratch, 8-byte aligned), the rows' window ends of up to
+// CPS_IDX_WSD_ENDS_CAP requests [CAP][2] (cps_wsd_share).
+constexpr int CPS_IDX_WSD_ENDS_CAP = CPS_IDX_WS_THREADS;   // (indexer.py: WS_THREADS)
 template <int S, int KB>
 struct CpsWsdLayout {
     static constexpr int SLOT = CPS_IDX_WS_KEYS * KB;            // a stage's codes
@@ -1221,7 +1222,7 @@ struct CpsWsdLayout {
     static constexpr int OFF_PM = OFF_BAR + (4 + 2 * S) * 8;
     static constexpr int OFF_BT = OFF_PM + S * 4;
     static constexpr int OFF_ENDS = OFF_BT + CPS_IDX_BT_CAP * 4;
-    static constexpr int SMEM = 1024 + OFF_ENDS + CPS_IDX_WS_THREADS * 2 * 4;
+    static constexpr int SMEM = 1024 + OFF_ENDS + CPS_IDX_WSD_ENDS_CAP * 2 * 4;
 };
 static_assert(CpsWsdLayout<CPS_IDX_WS_STAGES, CPS_IDX_D>::SMEM == CPS_IDX_WSD_SMEM_LAUNCH
                   && CpsWsdLayout<CPS_IDX_WSD_FP4_STAGES, CPS_IDX_D / 2>::SMEM
@@ -1231,7 +1232,7 @@ static_assert(CPS_IDX_WS_KEYS == 4 * CPS_IDX_TILE && CPS_IDX_TILE == 64,
               "a decode stage is 4 pages of 64 keys");
 static_assert(CpsWsdLayout<CPS_IDX_WS_STAGES, CPS_IDX_D>::OFF_BT % 8 == 0
                   && CpsWsdLayout<CPS_IDX_WSD_FP4_STAGES, CPS_IDX_D / 2>::OFF_BT % 8 == 0
-                  && 8 * (CPS_IDX_WS_THREADS / 32 + 2) <= 4 * CPS_IDX_BT_CAP,
+                  && 8 * (128 / 32 + 2) <= 4 * CPS_IDX_BT_CAP,
               "cps_wsd_share's scratch (in the page-id buffer) is 8-byte aligned and fits");
 // Its producer keeps a stage's page ids and their addresses: the register split differs
 // from the prefill kernel's (CPS_IDX_WSD_PREGS / _MREGS, #defined by the launcher).
@@ -1249,35 +1250,40 @@ __device__ __forceinline__ int cps_wsd_row_end(const int* __restrict__ lens, int
 
 // The weight of request b in cps_wsd_share: U stages, those holding keys of any of its
 // rows (the first ceil(end / 256), end the longest row's window end) weighing
-// CPS_IDX_WSD_KEY_WEIGHT, the rest (only -inf to write) 1. Its key stages: nk; its rows'
-// window ends: ends.
+// CPS_IDX_WSD_KEY_WEIGHT, the rest (only -inf to write) 1. Its key stages: nk.
 template <int NN>
-__device__ __forceinline__ long long cps_wsd_weight(const int* __restrict__ lens, int lens_2d,
-                                                    int b, int width, int U, int& nk,
-                                                    int (&ends)[NN]) {
+__device__ __forceinline__ long long cps_wsd_weight(const int (&ends)[NN], int U, int& nk) {
     int len = 0;
 #pragma unroll
-    for (int r = 0; r < NN; ++r) {
-        ends[r] = cps_wsd_row_end<NN>(lens, lens_2d, b, r, width);
-        len = max(len, ends[r]);
-    }
+    for (int r = 0; r < NN; ++r) len = max(len, ends[r]);
     nk = (len + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
     return (long long)U + (long long)(CPS_IDX_WSD_KEY_WEIGHT - 1) * nk;
+}
+
+// The rows' window ends of request b: from s_ends when the batch fits it (written by
+// cps_wsd_share), else from the lengths.
+template <int NN>
+__device__ __forceinline__ void cps_wsd_ends(const int* __restrict__ lens, int lens_2d,
+                                             const int* s_ends, int batch, int b, int width,
+                                             int (&ends)[NN]) {
+#pragma unroll
+    for (int r = 0; r < NN; ++r)
+        ends[r] = batch <= CPS_IDX_WSD_ENDS_CAP ? s_ends[b * NN + r]
+                                                 : cps_wsd_row_end<NN>(lens, lens_2d, b, r, width);
 }
 
 // This CTA's share of a decode batch: the stage positions [p_lo, p_hi) (request b's
 // stage s at b U + s) whose weights (cps_wsd_weight) start at or after blockIdx.x /
 // gridDim.x of the batch's total, up to the next CTA's. The CTAs' shares tile
 // [0, batch U) exactly (each the same function of the lengths), a share's weight within
-// one stage's of total / gridDim.x. All NT threads of the CTA take part (before the
-// warpgroups part ways: the lengths' loads are one round trip up to NT requests a CTA):
-// thread tid sums a contiguous chunk of requests, a block scan places the chunks, and
-// the thread whose chunk holds a cut finds its position (only threads with requests
-// work past the scan: the 64-bit divisions of 640 threads cost ~0.4 us). scratch: NT / 32
-// + 2 u64 of shared memory (free until the first item); p_lo / p_hi land in
-// scratch[NT / 32 + 0/1]. Up to NT requests (one a thread), each request's rows' window
-// ends go to s_ends[b NN + r], where the producer reads them (a second round trip to
-// global memory took ~0.7 us of a B=1 launch's 5).
+// one stage's of total / gridDim.x. Computed by the producer warpgroup alone (NT = 128
+// threads, named barrier 1) while the math warpgroups raise their registers and wait for
+// the first slot: thread tid sums a contiguous chunk of requests, a scan places the
+// chunks, and the thread whose chunk holds a cut finds its position. Up to
+// CPS_IDX_WSD_ENDS_CAP requests, their rows' window ends go to s_ends[b NN + r] (the cut
+// search and the producer read them there: a second round trip to global memory cost
+// ~0.7 us of a B=1 launch's 5). scratch: NT / 32 + 2 u64 of shared memory (free until
+// the first item); p_lo / p_hi land in scratch[NT / 32 + 0/1].
 template <int NN, int NT>
 __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int lens_2d,
                                               int batch, int width, int tid,
@@ -1287,47 +1293,65 @@ __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int 
     const int chunk = (batch + NT - 1) / NT;
     const int b0 = min(tid * chunk, batch), b1 = min(b0 + chunk, batch);
     const int lane = tid & 31, warp = tid >> 5;
+    const bool keep = batch <= CPS_IDX_WSD_ENDS_CAP;
     long long sum = 0;
     int nk, ends[NN];
 #pragma unroll 4
     for (int b = b0; b < b1; ++b) {
-        sum += cps_wsd_weight<NN>(lens, lens_2d, b, width, U, nk, ends);
-        if (chunk == 1) {
 #pragma unroll
-            for (int r = 0; r < NN; ++r) s_ends[b * NN + r] = ends[r];
+        for (int r = 0; r < NN; ++r) {
+            ends[r] = cps_wsd_row_end<NN>(lens, lens_2d, b, r, width);
+            if (keep) s_ends[b * NN + r] = ends[r];
         }
+        sum += cps_wsd_weight<NN>(ends, U, nk);
     }
-    long long incl = sum;                               // inclusive scan over the warp
+    // Inclusive scan over the warp; with every request in warp 0 (batch <= 32) only the
+    // steps that reach lane batch - 1, which then holds the total (no barrier; the other
+    // warps' chunks are empty). (The 64-bit shuffles are on the critical path of every
+    // launch: a B = 1 batch takes none.)
+    long long incl = sum;
+    const int reach = batch <= 32 ? batch : 32;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
+        if (d >= reach) break;
         const long long v = __shfl_up_sync(0xffffffffu, incl, d);
         if (lane >= d) incl += v;
     }
-    if (lane == 31) scratch[warp] = (unsigned long long)incl;
-    __syncthreads();
-    long long before = 0, total = 0;
+    long long before = 0, total;
+    if (batch <= 32) {
+        total = __shfl_sync(0xffffffffu, incl, batch - 1);
+    } else {
+        if (lane == 31) scratch[warp] = (unsigned long long)incl;
+        asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");   // (also publishes s_ends)
+        total = 0;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) {
-        const long long v = (long long)scratch[w];
-        before += w < warp ? v : 0;
-        total += v;
+        for (int w = 0; w < NW; ++w) {
+            const long long v = (long long)scratch[w];
+            before += w < warp ? v : 0;
+            total += v;
+        }
     }
     const long long start = before + incl - sum;       // the weight before request b0
     const long long c = blockIdx.x, g = gridDim.x;
 #pragma unroll
     for (int k = 0; k < 2 && b0 < b1; ++k) {
         // cut k: the first position whose weight before it reaches x (0 -> 0; total ->
-        // batch U, found in the last nonempty chunk)
-        const long long x = (c + k) * total / g;
+        // batch U, found in the last nonempty chunk). (32-bit division where it fits: the
+        // 64-bit one is a long subroutine on the critical path of every launch.)
+        const long long x = total * g <= 0xffffffffLL
+                                ? (long long)((unsigned)((c + k) * total) / (unsigned)g)
+                                : (c + k) * total / g;
         if (x == 0) {
             if (tid == 0) scratch[NW + k] = 0;
         } else if (x > start && x <= start + sum) {
             long long before_b = start;
             for (int b = b0; b < b1; ++b) {
-                // (one request a thread: its weight and key stages are still in registers;
-                // reading the lengths again cost a second round trip, ~1.3 us at B=1)
-                const long long wb = chunk == 1 ? sum
-                                                : cps_wsd_weight<NN>(lens, lens_2d, b, width, U, nk, ends);
+                // (one request a thread: its weight and key stages are still in registers)
+                long long wb = sum;
+                if (chunk > 1) {
+                    cps_wsd_ends<NN>(lens, lens_2d, s_ends, batch, b, width, ends);
+                    wb = cps_wsd_weight<NN>(ends, U, nk);
+                }
                 if (x <= before_b + wb) {
                     const long long r = x - before_b;            // 1 <= r <= wb
                     const long long kw = (long long)CPS_IDX_WSD_KEY_WEIGHT * nk;
@@ -1340,7 +1364,7 @@ __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int 
             }
         }
     }
-    __syncthreads();
+    asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
 }
 
 template <int NN, bool FP4, int S>
@@ -1369,14 +1393,14 @@ __device__ __forceinline__ void cps_paged_ws_body(
     const u32 kfull = bar + 32, kempty = bar + 32 + 8 * S;
     const int tid = threadIdx.x, lane = tid & 31;
     if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 1);
-    // (cps_wsd_share's first __syncthreads also publishes the barriers' init)
-    unsigned long long* share = reinterpret_cast<unsigned long long*>(s_bt);
-    cps_wsd_share<NN, CPS_IDX_WS_THREADS>(lens, lens_2d, batch, width, tid, share, s_ends);
+    __syncthreads();
 
     if (tid >= CPS_IDX_WS_MATH_THREADS) {
         // ---- producer warpgroup ----
         cps_setmaxnreg_dec<CPS_IDX_WSD_PREGS>();
         const int ptid = tid - CPS_IDX_WS_MATH_THREADS;
+        unsigned long long* share = reinterpret_cast<unsigned long long*>(s_bt);
+        cps_wsd_share<NN, 128>(lens, lens_2d, batch, width, ptid, share, s_ends);
         // Thread ptid moves bytes [16 ptid, +16) of each 2 KB of a stage's codes (fp8: key
         // row 16 k + rr of a page, chunk ptid % 8). Its source offsets inside a page are
         // fixed: a page's copies are one multiply-add off a per-thread base (a missing
@@ -1385,8 +1409,8 @@ __device__ __forceinline__ void cps_paged_ws_body(
         const u32 dst_off = FP4 ? ptid * 16 : rr * CPS_IDX_D + (((ptid & 7) ^ (rr & 7)) << 4);
         const u8* const code_src = cache + (FP4 ? ptid * 16 : rr * CPS_IDX_D + (ptid & 7) * 16);
         const u8* const scale_src = cache + CPS_IDX_TILE * KB + (ptid & 63) * 4;
-        int pos = (int)share[CPS_IDX_WS_THREADS / 32];   // this CTA's share (cps_wsd_share)
-        const int p_end = (int)share[CPS_IDX_WS_THREADS / 32 + 1];
+        int pos = (int)share[128 / 32];                 // this CTA's share (cps_wsd_share)
+        const int p_end = (int)share[128 / 32 + 1];
         const int U = (width + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
         unsigned kv = 0;
         int it = 0;                                     // items handed to the math warpgroups
@@ -1398,11 +1422,11 @@ __device__ __forceinline__ void cps_paged_ws_body(
             const int own_hi = min(s1 * CPS_IDX_WS_KEYS, width);
             const long long row0 = (long long)b * NN;
             // Windows [0, end) of the rows, clamped to the width (kept by cps_wsd_share
-            // for up to 640 requests).
+            // for up to CPS_IDX_WSD_ENDS_CAP requests).
             int end = 0;
             if (lane < NN)
-                end = batch <= CPS_IDX_WS_THREADS ? s_ends[b * NN + lane]
-                                                  : cps_wsd_row_end<NN>(lens, lens_2d, b, lane, width);
+                end = batch <= CPS_IDX_WSD_ENDS_CAP ? s_ends[b * NN + lane]
+                                                    : cps_wsd_row_end<NN>(lens, lens_2d, b, lane, width);
             const int hi = min(__reduce_max_sync(0xffffffffu, end), own_hi);
             int t_hi = own_lo, nst = 0;
             if (hi > own_lo) {
