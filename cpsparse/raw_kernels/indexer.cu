@@ -1211,6 +1211,8 @@ static_assert(sizeof(CpsIdxWsdMeta) == CPS_IDX_WSD_META_BYTES,
 // cps_wsd_share's scratch, 8-byte aligned), the rows' window ends of up to
 // CPS_IDX_WSD_ENDS_CAP requests [CAP][2] (cps_wsd_share).
 constexpr int CPS_IDX_WSD_ENDS_CAP = CPS_IDX_WS_THREADS;   // (indexer.py: WS_THREADS)
+// Threads of the producer warpgroup, which computes the share on named barrier 1.
+constexpr int CPS_IDX_WSD_SHARE_THREADS = CPS_IDX_WS_THREADS - CPS_IDX_WS_MATH_THREADS;
 template <int S, int KB>
 struct CpsWsdLayout {
     static constexpr int SLOT = CPS_IDX_WS_KEYS * KB;            // a stage's codes
@@ -1232,7 +1234,7 @@ static_assert(CPS_IDX_WS_KEYS == 4 * CPS_IDX_TILE && CPS_IDX_TILE == 64,
               "a decode stage is 4 pages of 64 keys");
 static_assert(CpsWsdLayout<CPS_IDX_WS_STAGES, CPS_IDX_D>::OFF_BT % 8 == 0
                   && CpsWsdLayout<CPS_IDX_WSD_FP4_STAGES, CPS_IDX_D / 2>::OFF_BT % 8 == 0
-                  && 8 * (128 / 32 + 2) <= 4 * CPS_IDX_BT_CAP,
+                  && 8 * (CPS_IDX_WSD_SHARE_THREADS / 32 + 2) <= 4 * CPS_IDX_BT_CAP,
               "cps_wsd_share's scratch (in the page-id buffer) is 8-byte aligned and fits");
 // Its producer keeps a stage's page ids and their addresses: the register split differs
 // from the prefill kernel's (CPS_IDX_WSD_PREGS / _MREGS, #defined by the launcher).
@@ -1278,7 +1280,7 @@ __device__ __forceinline__ void cps_wsd_ends(const int* __restrict__ lens, int l
 // [0, batch U) exactly (each the same function of the lengths), a share's weight within
 // one stage's of total / gridDim.x. Computed by the producer warpgroup alone (NT = 128
 // threads, named barrier 1) while the math warpgroups raise their registers and wait for
-// the first slot: thread tid sums a contiguous chunk of requests, a scan places the
+// the first slot: producer thread tid sums a contiguous chunk of requests, a scan places the
 // chunks, and the thread whose chunk holds a cut finds its position. Up to
 // CPS_IDX_WSD_ENDS_CAP requests, their rows' window ends go to s_ends[b NN + r] (the cut
 // search and the producer read them there: a second round trip to global memory cost
@@ -1288,6 +1290,7 @@ template <int NN, int NT>
 __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int lens_2d,
                                               int batch, int width, int tid,
                                               unsigned long long* scratch, int* s_ends) {
+    static_assert(NT == CPS_IDX_WSD_SHARE_THREADS, "named barrier 1 is the producer warpgroup's");
     constexpr int NW = NT / 32;
     const int U = (width + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
     const int chunk = (batch + NT - 1) / NT;
@@ -1322,7 +1325,7 @@ __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int 
         total = __shfl_sync(0xffffffffu, incl, batch - 1);
     } else {
         if (lane == 31) scratch[warp] = (unsigned long long)incl;
-        asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");   // (also publishes s_ends)
+        asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");   // (the warps' totals)
         total = 0;
 #pragma unroll
         for (int w = 0; w < NW; ++w) {
@@ -1400,7 +1403,8 @@ __device__ __forceinline__ void cps_paged_ws_body(
         cps_setmaxnreg_dec<CPS_IDX_WSD_PREGS>();
         const int ptid = tid - CPS_IDX_WS_MATH_THREADS;
         unsigned long long* share = reinterpret_cast<unsigned long long*>(s_bt);
-        cps_wsd_share<NN, 128>(lens, lens_2d, batch, width, ptid, share, s_ends);
+        cps_wsd_share<NN, CPS_IDX_WSD_SHARE_THREADS>(lens, lens_2d, batch, width, ptid, share,
+                                                     s_ends);
         // Thread ptid moves bytes [16 ptid, +16) of each 2 KB of a stage's codes (fp8: key
         // row 16 k + rr of a page, chunk ptid % 8). Its source offsets inside a page are
         // fixed: a page's copies are one multiply-add off a per-thread base (a missing
@@ -1409,8 +1413,8 @@ __device__ __forceinline__ void cps_paged_ws_body(
         const u32 dst_off = FP4 ? ptid * 16 : rr * CPS_IDX_D + (((ptid & 7) ^ (rr & 7)) << 4);
         const u8* const code_src = cache + (FP4 ? ptid * 16 : rr * CPS_IDX_D + (ptid & 7) * 16);
         const u8* const scale_src = cache + CPS_IDX_TILE * KB + (ptid & 63) * 4;
-        int pos = (int)share[128 / 32];                 // this CTA's share (cps_wsd_share)
-        const int p_end = (int)share[128 / 32 + 1];
+        int pos = (int)share[CPS_IDX_WSD_SHARE_THREADS / 32];   // this CTA's share
+        const int p_end = (int)share[CPS_IDX_WSD_SHARE_THREADS / 32 + 1];
         const int U = (width + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
         unsigned kv = 0;
         int it = 0;                                     // items handed to the math warpgroups
