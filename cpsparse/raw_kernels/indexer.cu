@@ -1262,16 +1262,14 @@ __device__ __forceinline__ long long cps_wsd_weight(const int (&ends)[NN], int U
     return (long long)U + (long long)(CPS_IDX_WSD_KEY_WEIGHT - 1) * nk;
 }
 
-// The rows' window ends of request b: from s_ends when the batch fits it (written by
-// cps_wsd_share), else from the lengths.
+// The window end of row r of request b as cps_wsd_share keeps it: from s_ends when the
+// batch fits it, else from the lengths.
 template <int NN>
-__device__ __forceinline__ void cps_wsd_ends(const int* __restrict__ lens, int lens_2d,
-                                             const int* s_ends, int batch, int b, int width,
-                                             int (&ends)[NN]) {
-#pragma unroll
-    for (int r = 0; r < NN; ++r)
-        ends[r] = batch <= CPS_IDX_WSD_ENDS_CAP ? s_ends[b * NN + r]
-                                                 : cps_wsd_row_end<NN>(lens, lens_2d, b, r, width);
+__device__ __forceinline__ int cps_wsd_kept_end(const int* __restrict__ lens, int lens_2d,
+                                                const int* s_ends, int batch, int b, int r,
+                                                int width) {
+    return batch <= CPS_IDX_WSD_ENDS_CAP ? s_ends[b * NN + r]
+                                         : cps_wsd_row_end<NN>(lens, lens_2d, b, r, width);
 }
 
 // This CTA's share of a decode batch: the stage positions [p_lo, p_hi) (request b's
@@ -1352,7 +1350,9 @@ __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int 
                 // (one request a thread: its weight and key stages are still in registers)
                 long long wb = sum;
                 if (chunk > 1) {
-                    cps_wsd_ends<NN>(lens, lens_2d, s_ends, batch, b, width, ends);
+#pragma unroll
+                    for (int r = 0; r < NN; ++r)
+                        ends[r] = cps_wsd_kept_end<NN>(lens, lens_2d, s_ends, batch, b, r, width);
                     wb = cps_wsd_weight<NN>(ends, U, nk);
                 }
                 if (x <= before_b + wb) {
@@ -1428,9 +1428,7 @@ __device__ __forceinline__ void cps_paged_ws_body(
             // Windows [0, end) of the rows, clamped to the width (kept by cps_wsd_share
             // for up to CPS_IDX_WSD_ENDS_CAP requests).
             int end = 0;
-            if (lane < NN)
-                end = batch <= CPS_IDX_WSD_ENDS_CAP ? s_ends[b * NN + lane]
-                                                    : cps_wsd_row_end<NN>(lens, lens_2d, b, lane, width);
+            if (lane < NN) end = cps_wsd_kept_end<NN>(lens, lens_2d, s_ends, batch, b, lane, width);
             const int hi = min(__reduce_max_sync(0xffffffffu, end), own_hi);
             int t_hi = own_lo, nst = 0;
             if (hi > own_lo) {
