@@ -1242,12 +1242,25 @@ static_assert(128 * CPS_IDX_WSD_PREGS + CPS_IDX_WS_MATH_THREADS * CPS_IDX_WSD_MR
                   <= CPS_IDX_WS_THREADS * CPS_IDX_WS_LAUNCH_REGS,
               "setmaxnreg split exceeds the CTA's register pool");
 
+// The window end [0, end) of query row r of a request whose length entry for that row is
+// len (lens[b NN + r] for 2-D lengths, else lens[b]): its context clamped to the width.
+template <int NN>
+__device__ __forceinline__ int cps_wsd_end_of(int len, int lens_2d, int r, int width) {
+    const int end = lens_2d ? len : max(len - NN + r + 1, 0);
+    return min(max(end, 0), width);
+}
+
+// The length entry of row r of request b (cps_wsd_end_of).
+template <int NN>
+__device__ __forceinline__ int cps_wsd_len(const int* __restrict__ lens, int lens_2d, int b, int r) {
+    return lens[lens_2d ? b * NN + r : b];
+}
+
 // The window end [0, end) of query row r of request b: its context clamped to the width.
 template <int NN>
 __device__ __forceinline__ int cps_wsd_row_end(const int* __restrict__ lens, int lens_2d, int b,
                                                int r, int width) {
-    const int end = lens_2d ? lens[b * NN + r] : max(lens[b] - NN + r + 1, 0);
-    return min(max(end, 0), width);
+    return cps_wsd_end_of<NN>(cps_wsd_len<NN>(lens, lens_2d, b, r), lens_2d, r, width);
 }
 
 // The weight of request b in cps_wsd_share: U stages, those holding keys of any of its
@@ -1287,7 +1300,8 @@ __device__ __forceinline__ int cps_wsd_kept_end(const int* __restrict__ lens, in
 template <int NN, int NT>
 __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int lens_2d,
                                               int batch, int width, int tid,
-                                              unsigned long long* scratch, int* s_ends) {
+                                              unsigned long long* scratch, int* s_ends,
+                                              const int (&pre)[NN]) {
     static_assert(NT == CPS_IDX_WSD_SHARE_THREADS, "named barrier 1 is the producer warpgroup's");
     constexpr int NW = NT / 32;
     const int U = (width + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
@@ -1297,14 +1311,27 @@ __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int 
     const bool keep = batch <= CPS_IDX_WSD_ENDS_CAP;
     long long sum = 0;
     int nk, ends[NN];
-#pragma unroll 4
-    for (int b = b0; b < b1; ++b) {
+    if (chunk == 1) {
+        // (batch <= NT: request tid's length entries, loaded by the caller before its own
+        // work)
+        if (b0 < b1) {
 #pragma unroll
-        for (int r = 0; r < NN; ++r) {
-            ends[r] = cps_wsd_row_end<NN>(lens, lens_2d, b, r, width);
-            if (keep) s_ends[b * NN + r] = ends[r];
+            for (int r = 0; r < NN; ++r) {
+                ends[r] = cps_wsd_end_of<NN>(pre[r], lens_2d, r, width);
+                s_ends[b0 * NN + r] = ends[r];
+            }
+            sum = cps_wsd_weight<NN>(ends, U, nk);
         }
-        sum += cps_wsd_weight<NN>(ends, U, nk);
+    } else {
+#pragma unroll 4
+        for (int b = b0; b < b1; ++b) {
+#pragma unroll
+            for (int r = 0; r < NN; ++r) {
+                ends[r] = cps_wsd_row_end<NN>(lens, lens_2d, b, r, width);
+                if (keep) s_ends[b * NN + r] = ends[r];
+            }
+            sum += cps_wsd_weight<NN>(ends, U, nk);
+        }
     }
     // Inclusive scan over the warp; with every request in warp 0 (batch <= 32) only the
     // steps that reach lane batch - 1, which then holds the total (no barrier; the other
@@ -1403,8 +1430,37 @@ __device__ __forceinline__ void cps_paged_ws_body(
         cps_setmaxnreg_dec<CPS_IDX_WSD_PREGS>();
         const int ptid = tid - CPS_IDX_WS_MATH_THREADS;
         unsigned long long* share = reinterpret_cast<unsigned long long*>(s_bt);
+        const int U = (width + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
+        // A batch of up to 128 requests: thread ptid loads request ptid's lengths for
+        // cps_wsd_share, and while they travel, the page ids of the first item this CTA
+        // would take if every row's window were the whole width (a uniform full batch:
+        // share position ceil(floor(c T / G) / 16), T = 16 U batch) are loaded as well. The
+        // share then only checks its first item against that guess: the two loads overlap
+        // where they were two round trips in a row.
+        const bool small = batch <= CPS_IDX_WSD_SHARE_THREADS;   // (cps_wsd_share's chunk 1)
+        const bool guess = small && U > 0 && (unsigned long long)batch * U * CPS_IDX_WSD_KEY_WEIGHT
+                                            * gridDim.x <= 0xffffffffull;
+        int pre[NN];
+#pragma unroll
+        for (int r = 0; r < NN; ++r)
+            pre[r] = small && ptid < batch ? cps_wsd_len<NN>(lens, lens_2d, ptid, r) : 0;
+        int gpos = -1, gid0 = -1, gid1 = -1;
+        if (guess) {
+            const unsigned T = (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT;
+            const unsigned x = blockIdx.x * T / gridDim.x;
+            gpos = (int)((x + CPS_IDX_WSD_KEY_WEIGHT - 1) / CPS_IDX_WSD_KEY_WEIGHT);
+            const int gb = (int)((unsigned)gpos / (unsigned)U), gs0 = gpos - gb * U;
+            if (gb < batch) {
+                const int* bt_row = bt + (long long)gb * bt_cols;
+                const int n4 = 4 * (min(U, gs0 + piece_stages) - gs0), p0 = 4 * gs0;
+                if (ptid < n4 && p0 + ptid < bt_cols) gid0 = bt_row[p0 + ptid];
+                if (ptid + 128 < n4 && p0 + ptid + 128 < bt_cols) gid1 = bt_row[p0 + ptid + 128];
+            } else {
+                gpos = -1;
+            }
+        }
         cps_wsd_share<NN, CPS_IDX_WSD_SHARE_THREADS>(lens, lens_2d, batch, width, ptid, share,
-                                                     s_ends);
+                                                     s_ends, pre);
         // Thread ptid moves bytes [16 ptid, +16) of each 2 KB of a stage's codes (fp8: key
         // row 16 k + rr of a page, chunk ptid % 8). Its source offsets inside a page are
         // fixed: a page's copies are one multiply-add off a per-thread base (a missing
@@ -1415,7 +1471,15 @@ __device__ __forceinline__ void cps_paged_ws_body(
         const u8* const scale_src = cache + CPS_IDX_TILE * KB + (ptid & 63) * 4;
         int pos = (int)share[CPS_IDX_WSD_SHARE_THREADS / 32];   // this CTA's share
         const int p_end = (int)share[CPS_IDX_WSD_SHARE_THREADS / 32 + 1];
-        const int U = (width + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
+        // The guess hit (the same first item: its request and stage): its page ids go to
+        // s_bt once every producer thread has read its share there; the first item then
+        // skips its page-id loads. (Entries past the item's pages are never read.)
+        bool ids_ready = gpos == pos && pos < p_end;           // (uniform: a warpgroup's)
+        if (ids_ready) {
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            s_bt[ptid] = (u32)gid0 < (u32)num_blocks ? gid0 : -1;
+            s_bt[ptid + 128] = (u32)gid1 < (u32)num_blocks ? gid1 : -1;
+        }
         unsigned kv = 0;
         int it = 0;                                     // items handed to the math warpgroups
         while (pos < p_end) {
@@ -1437,20 +1501,25 @@ __device__ __forceinline__ void cps_paged_ws_body(
                 nst = (t_hi - own_lo + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
             }
             if (nst == 0) {                             // past every row's context: -inf
+                ids_ready = false;                      // (the next item is another)
                 for (int r = 0; r < NN; ++r)
                     cps_fill_neg_inf<128>(out + (row0 + r) * (long long)width, own_lo, own_hi, ptid);
                 continue;
             }
             const int qs = it & 1;
-            // The item's page ids (the previous item's are no longer read).
-            asm volatile("bar.sync 1, 128;\n" ::: "memory");
-            const int* bt_row = bt + (long long)b * bt_cols;
-            const int p0 = own_lo / CPS_IDX_TILE;
-            for (int i = ptid; i < nst * 4; i += 128) {
-                const int p = p0 + i;
-                const int pg = p < bt_cols ? bt_row[p] : -1;
-                s_bt[i] = (u32)pg < (u32)num_blocks ? pg : -1;
+            // The item's page ids (the previous item's are no longer read), unless the
+            // guess stored them already.
+            if (!ids_ready) {
+                asm volatile("bar.sync 1, 128;\n" ::: "memory");
+                const int* bt_row = bt + (long long)b * bt_cols;
+                const int p0 = own_lo / CPS_IDX_TILE;
+                for (int i = ptid; i < nst * 4; i += 128) {
+                    const int p = p0 + i;
+                    const int pg = p < bt_cols ? bt_row[p] : -1;
+                    s_bt[i] = (u32)pg < (u32)num_blocks ? pg : -1;
+                }
             }
+            ids_ready = false;
             asm volatile("bar.sync 1, 128;\n" ::: "memory");
             cps_mbar_wait(bar + 16 + 8 * qs, ((it >> 1) & 1) ^ 1);
             if (ptid < 32) {
