@@ -1213,6 +1213,13 @@ static_assert(sizeof(CpsIdxWsdMeta) == CPS_IDX_WSD_META_BYTES,
 constexpr int CPS_IDX_WSD_ENDS_CAP = CPS_IDX_WS_THREADS;   // (indexer.py: WS_THREADS)
 // Threads of the producer warpgroup, which computes the share on named barrier 1.
 constexpr int CPS_IDX_WSD_SHARE_THREADS = CPS_IDX_WS_THREADS - CPS_IDX_WS_MATH_THREADS;
+// Requests a producer thread loads the lengths of before cps_wsd_share (a batch of up to
+// CPS_IDX_WSD_PRE x 128 requests: those loads overlap the guessed first item's page ids).
+constexpr int CPS_IDX_WSD_PRE = 2;
+static_assert(CPS_IDX_WSD_ENDS_CAP >= CPS_IDX_WSD_PRE * CPS_IDX_WSD_SHARE_THREADS,
+              "cps_wsd_share keeps the ends of a batch it preloads (no keep check there)");
+static_assert(CPS_IDX_BT_CAP <= 2 * CPS_IDX_WSD_SHARE_THREADS,
+              "a guessed item's page ids are two a producer thread (gid0, gid1)");
 template <int S, int KB>
 struct CpsWsdLayout {
     static constexpr int SLOT = CPS_IDX_WS_KEYS * KB;            // a stage's codes
@@ -1301,7 +1308,7 @@ template <int NN, int NT>
 __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int lens_2d,
                                               int batch, int width, int tid,
                                               unsigned long long* scratch, int* s_ends,
-                                              const int (&pre)[NN]) {
+                                              const int (&pre)[CPS_IDX_WSD_PRE][NN]) {
     static_assert(NT == CPS_IDX_WSD_SHARE_THREADS, "named barrier 1 is the producer warpgroup's");
     constexpr int NW = NT / 32;
     const int U = (width + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
@@ -1311,16 +1318,19 @@ __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int 
     const bool keep = batch <= CPS_IDX_WSD_ENDS_CAP;
     long long sum = 0;
     int nk, ends[NN];
-    if (chunk == 1) {
-        // (batch <= NT: request tid's length entries, loaded by the caller before its own
-        // work)
-        if (b0 < b1) {
+    if (chunk <= CPS_IDX_WSD_PRE) {
+        // (batch <= CPS_IDX_WSD_PRE NT: the length entries of requests b0 + k, loaded by
+        // the caller before its own work)
 #pragma unroll
-            for (int r = 0; r < NN; ++r) {
-                ends[r] = cps_wsd_end_of<NN>(pre[r], lens_2d, r, width);
-                s_ends[b0 * NN + r] = ends[r];
+        for (int k = 0; k < CPS_IDX_WSD_PRE; ++k) {
+            if (b0 + k < b1) {
+#pragma unroll
+                for (int r = 0; r < NN; ++r) {
+                    ends[r] = cps_wsd_end_of<NN>(pre[k][r], lens_2d, r, width);
+                    s_ends[(b0 + k) * NN + r] = ends[r];
+                }
+                sum += cps_wsd_weight<NN>(ends, U, nk);
             }
-            sum = cps_wsd_weight<NN>(ends, U, nk);
         }
     } else {
 #pragma unroll 4
@@ -1431,19 +1441,26 @@ __device__ __forceinline__ void cps_paged_ws_body(
         const int ptid = tid - CPS_IDX_WS_MATH_THREADS;
         unsigned long long* share = reinterpret_cast<unsigned long long*>(s_bt);
         const int U = (width + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
-        // A batch of up to 128 requests: thread ptid loads request ptid's lengths for
+        // A batch of up to 256 requests: thread ptid loads its requests' lengths for
         // cps_wsd_share, and while they travel, the page ids of the first item this CTA
         // would take if every row's window were the whole width (a uniform full batch:
         // share position ceil(floor(c T / G) / 16), T = 16 U batch) are loaded as well. The
         // share then only checks its first item against that guess: the two loads overlap
         // where they were two round trips in a row.
-        const bool small = batch <= CPS_IDX_WSD_SHARE_THREADS;   // (cps_wsd_share's chunk 1)
-        const bool guess = small && U > 0 && (unsigned long long)batch * U * CPS_IDX_WSD_KEY_WEIGHT
-                                            * gridDim.x <= 0xffffffffull;
-        int pre[NN];
+        const bool small = batch <= CPS_IDX_WSD_PRE * CPS_IDX_WSD_SHARE_THREADS;
+        const bool guess = small && batch > 0 && U > 0
+                           && (unsigned long long)batch * U * CPS_IDX_WSD_KEY_WEIGHT * gridDim.x
+                                  <= 0xffffffffull;
+        // (cps_wsd_share's chunk of requests a thread)
+        const int chunk = (batch + CPS_IDX_WSD_SHARE_THREADS - 1) / CPS_IDX_WSD_SHARE_THREADS;
+        const int pb0 = min(ptid * chunk, batch), pb1 = min(pb0 + chunk, batch);
+        int pre[CPS_IDX_WSD_PRE][NN];
 #pragma unroll
-        for (int r = 0; r < NN; ++r)
-            pre[r] = small && ptid < batch ? cps_wsd_len<NN>(lens, lens_2d, ptid, r) : 0;
+        for (int k = 0; k < CPS_IDX_WSD_PRE; ++k) {
+#pragma unroll
+            for (int r = 0; r < NN; ++r)
+                pre[k][r] = small && pb0 + k < pb1 ? cps_wsd_len<NN>(lens, lens_2d, pb0 + k, r) : 0;
+        }
         int gpos = -1, gid0 = -1, gid1 = -1;
         if (guess) {
             const unsigned T = (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT;
@@ -1474,7 +1491,9 @@ __device__ __forceinline__ void cps_paged_ws_body(
         // The guess hit (the same first item: its request and stage): its page ids go to
         // s_bt once every producer thread has read its share there; the first item then
         // skips its page-id loads. (Entries past the item's pages are never read.)
-        bool ids_ready = gpos == pos && pos < p_end;           // (uniform: a warpgroup's)
+        // (The same in every producer thread: gpos is a function of the launch alone, pos
+        // and p_end were read from shared memory after the share's last barrier.)
+        bool ids_ready = gpos == pos && pos < p_end;
         if (ids_ready) {
             asm volatile("bar.sync 1, 128;\n" ::: "memory");
             s_bt[ptid] = (u32)gid0 < (u32)num_blocks ? gid0 : -1;
