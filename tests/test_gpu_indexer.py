@@ -339,23 +339,13 @@ def _skewed_lens(rng):
     return [20000] + list(rng.integers(0, 900, 40)) + [0, 1, 256, 257]
 
 
-@pytest.mark.parametrize("case,next_n,fp4,ctas", [
-    ("skewed", 1, False, None), ("skewed", 2, False, None), ("skewed", 1, True, None),
-    ("skewed", 2, True, 7), ("skewed", 1, False, 3), ("empty", 1, False, None),
-    ("empty", 2, True, 5), ("tiny", 2, False, None), ("tiny", 1, True, None),
-    ("long_first", 1, False, 130),
-])
-def test_paged_ws_shares_of_mixed_lengths(cp, kin, case, next_n, fp4, ctas):
-    """The warp-specialized decode CTAs split a batch by weight (every CTA's share from
-    the lengths on the device): mixed lengths with empty rows, every row empty (every item
-    only -inf: the math warpgroups see none), fewer stages than SMs (ws_grid), a share
-    ending inside a request; bit-identical to the per-page kernel, and to the reference."""
-    rng = np.random.default_rng(6000 + 10 * next_n + fp4 + len(case))
-    lens, width = {"skewed": (_skewed_lens(rng), 20000 + 77), "empty": ([0] * 9, 3000),
-                   "tiny": ([300, 5], 300),
-                   "long_first": ([65536] + [300] * 20, 65536)}[case]
+def _ws_bits_of_lengths(cp, kin, rng, lens, width, next_n, fp4, ctas=None, missing=False,
+                        what=""):
+    """The warp-specialized decode kernel on a batch of these lengths against the per-page
+    kernel, bit for bit (NaN-poisoned outputs), and the per-page kernel's -inf mask
+    against the reference's."""
     host, q8, w, ctx, table, width = _paged_fixed_case(rng, 64, next_n, fp4, lens, width,
-                                                       missing=False)
+                                                       missing=missing)
     dcache = cpsparse.IndexerKCache.wrap(cp.asarray(host.data), 64, 128, dtype=host.dtype)
     dq, dw, dctx, dtable = (cp.asarray(a) for a in (q8, w, ctx, table))
     batch = table.shape[0]
@@ -372,8 +362,50 @@ def test_paged_ws_shares_of_mixed_lengths(cp, kin, case, next_n, fp4, ctas):
     out = cp.full((batch * next_n, width), np.nan, dtype=cp.float32)
     kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=out, ctas=ctas)
     got = out.get()
-    assert not np.isnan(got).any(), f"{case} ctas={ctas}: unwritten (NaN-poisoned) outputs"
-    assert np.array_equal(got, want), f"{case} next_n={next_n} fp4={fp4} ctas={ctas}: differs"
+    assert not np.isnan(got).any(), f"{what} ctas={ctas}: unwritten (NaN-poisoned) outputs"
+    assert np.array_equal(got, want), f"{what} next_n={next_n} fp4={fp4} ctas={ctas}: differs"
+
+
+@pytest.mark.parametrize("case,next_n,fp4,ctas", [
+    ("skewed", 1, False, None), ("skewed", 2, False, None), ("skewed", 1, True, None),
+    ("skewed", 2, True, 7), ("skewed", 1, False, 3), ("empty", 1, False, None),
+    ("empty", 2, True, 5), ("tiny", 2, False, None), ("tiny", 1, True, None),
+    ("long_first", 1, False, 130),
+])
+def test_paged_ws_shares_of_mixed_lengths(cp, kin, case, next_n, fp4, ctas):
+    """The warp-specialized decode CTAs split a batch by weight (every CTA's share from
+    the lengths on the device): mixed lengths with empty rows, every row empty (every item
+    only -inf: the math warpgroups see none), fewer stages than SMs (ws_grid), a share
+    ending inside a request; bit-identical to the per-page kernel, and to the reference."""
+    rng = np.random.default_rng(6000 + 10 * next_n + fp4 + len(case))
+    lens, width = {"skewed": (_skewed_lens(rng), 20000 + 77), "empty": ([0] * 9, 3000),
+                   "tiny": ([300, 5], 300),
+                   "long_first": ([65536] + [300] * 20, 65536)}[case]
+    _ws_bits_of_lengths(cp, kin, rng, lens, width, next_n, fp4, ctas, what=case)
+
+
+@pytest.mark.parametrize("case,next_n,fp4", [
+    ("full", 1, False), ("full", 2, True), ("first_empty", 1, False),
+    ("first_empty", 2, False), ("first_empty", 1, True), ("short_of_width", 2, False),
+    ("short_of_width", 1, True), ("two_a_thread_full", 1, False),
+    ("two_a_thread_full", 2, True), ("two_a_thread_mixed", 1, False),
+])
+def test_paged_ws_guessed_first_items(cp, kin, case, next_n, fp4):
+    """A batch of up to 256 requests: each CTA loads the page ids of the first item a
+    uniform full batch would give it while the lengths load, and keeps them where its
+    share starts there. Every CTA guesses right (full, with a missing page among the
+    guessed ids; two requests a producer thread past 128); CTA 0 guesses right but its
+    first item is only -inf (first_empty); it guesses right with fewer key stages than
+    guessed (short_of_width); most guess wrong (two_a_thread_mixed). Bit-identical to the
+    per-page kernel."""
+    rng = np.random.default_rng(7000 + 10 * next_n + fp4 + len(case))
+    lens, width, missing = {
+        "full": ([4099] * 7, 4099, True),
+        "first_empty": ([0] + [2048] * 6, 2048, True),
+        "short_of_width": ([2000] * 4, 2100, False),
+        "two_a_thread_full": ([700] * 200, 700, True),
+        "two_a_thread_mixed": (list(rng.integers(0, 3001, 150)), 3000, False)}[case]
+    _ws_bits_of_lengths(cp, kin, rng, lens, width, next_n, fp4, missing=missing, what=case)
 
 
 @pytest.mark.parametrize("block_size", [16, 128])
