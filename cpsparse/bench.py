@@ -65,11 +65,12 @@ SCENARIOS = ("short_prefill", "mtp", "decode_step")
 METHOD = ("cpsparse.timing: warm-up, then every call timed alone over rotating input sets "
           "(CUDA events on CuPy, perf_counter on NumPy); median with p10/p90 "
           "(*_p10_p90_ms = [p10, p90]); graph replay = calls captured once in a CUDA "
-          "graph, per call; *_gpu_*: the same probed intervals' GPU time alone, the "
-          "seeds' kernel time (CuPy: each interval behind a stream hold, so that its two "
-          "events bound its GPU work and no host time, less gpu_floor_ms, what an empty "
-          "held interval reads; gpu_unheld: intervals the host took over half the hold "
-          "to enqueue, whose figure may hold host time; None on NumPy)")
+          "graph, per call; *_gpu_*: the same probed intervals' GPU time alone, as the "
+          "seeds measure (CuPy: each interval behind a stream hold, so that its two "
+          "events bound its kernels and the GPU's gaps between them, no host time, less "
+          "gpu_floor_ms, what an empty held interval reads; gpu_unheld: timed intervals "
+          "the host took over half the hold to enqueue, whose figure may hold host time; "
+          "None on NumPy)")
 
 WHAT = {
     "short_prefill": "indexer call (sparse_attn_indexer, skip_k_cache_insert=True: the "
@@ -78,8 +79,8 @@ WHAT = {
                      "(StaticPlatform(cuda=True)) vs off "
                      "(StaticPlatform(cuda=False)); forward_*: the whole layer forward; "
                      "reduction_pct only where the gate fires (None where L > index_topk: "
-                     "it cannot); *_gpu_*: the indexer call's GPU time alone (the seed's "
-                     "kernel-level latency), gpu_reduction_pct from those",
+                     "it cannot); *_gpu_*: the indexer call's GPU time alone (as the seed "
+                     "measures its kernel-level latency), gpu_reduction_pct from those",
     "mtp": "steps 1+ of a real MTPDrafter round (reuse: step 0's top-k) vs the same steps "
            "scoring again (MTPDrafter(num_steps=1) per step); path_*: their indexer steps "
            "(the layer's _score: the indexer's queries and keys, its cache insert, "
@@ -332,10 +333,14 @@ def bench_short_prefill(xp, s, rng, progress, weights):
                     xp, lambda x, layer=layer: layer.forward(x, forward_context=ctx), xs,
                     probe=probe, **it)
             hosts[enabled] = probe.host_times_ms()
-        on, off = layers[True].indexer.stats, layers[False].indexer.stats
+        # the counters of the timed pass (the held pass below runs the calls again)
+        on_skipped = layers[True].indexer.stats.skipped
+        off_skipped = layers[False].indexer.stats.skipped
+        forwards = layers[True].attention_stats.forwards
         if _gpu_time_pass(xp):
-            # The same calls' GPU time alone (kernel time): each call behind a hold, in
-            # a pass of its own (the holds sit inside the forwards it times).
+            # The same calls' GPU time alone (the GPU's busy span: kernels and the gaps
+            # between them on the GPU, no host time): each call behind a hold, in a pass
+            # of its own (the holds sit inside the forwards it times).
             for enabled, layer in layers.items():
                 held = timing.Probe(xp, hold_ms=timing.hold_for(hosts[enabled]))
                 with held.patch(_mla, _indexer_entry()):
@@ -344,7 +349,7 @@ def bench_short_prefill(xp, s, rng, progress, weights):
                         probe=held, **it)
                 g[enabled] = held.summary(expected=it["iters"], floor_ms=floor)
         can_fire = bool(meta.mla.prefill.use_dense_mha)
-        fired = on.skipped > 0
+        fired = on_skipped > 0
         idx_on, idx_off = t[True]["inner"], t[False]["inner"]
         if fired:
             gate = "fires (L <= index_topk)"
@@ -368,8 +373,8 @@ def bench_short_prefill(xp, s, rng, progress, weights):
                    forward_on_ms=t[True]["median_ms"], forward_on_p10_p90_ms=_spread(t[True]),
                    forward_off_ms=t[False]["median_ms"],
                    forward_off_p10_p90_ms=_spread(t[False]),
-                   gate_on_skipped=on.skipped, gate_off_skipped=off.skipped,
-                   forwards=layers[True].attention_stats.forwards, iters=idx_on["iters"])
+                   gate_on_skipped=on_skipped, gate_off_skipped=off_skipped,
+                   forwards=forwards, iters=idx_on["iters"])
         rows.append(row)
         tail = (f"reduction {row['reduction_pct']:.1f}%" if fired
                 else f"gate {gate}: not a reduction")
@@ -477,13 +482,15 @@ def bench_mtp(xp, s, rng, progress, weights):
                 if _gpu_time_pass(xp):
                     # the same intervals' GPU time alone, each behind a hold (a pass of
                     # its own: the holds sit inside the forwards it times)
+                    timed = it["iters"] * per_step * (steps - 1)    # the timed rounds'
                     probes["path"] = held = timing.Probe(
-                        xp, hold_ms=timing.hold_for(path.host_times_ms()))
+                        xp, hold_ms=timing.hold_for(path.host_times_ms()[-timed:]))
                     held.recording = False
                     _time_path(xp, fn, inputs, it, span, held, per_step * (steps - 1))
                     g[mode] = dict(_per_round(held.times_ms(floor), rounds,
                                               per_step * (steps - 1), it["iters"]),
-                                   hold_ms=held.hold_ms, floor_ms=floor, unheld=held.unheld())
+                                   hold_ms=held.hold_ms, floor_ms=floor,
+                                   unheld=held.unheld(last=timed))
                     probes["path"] = path
             fr, fc = t["reuse"]["inner"], t["recompute"]["inner"]
             pr, pc = p["reuse"], p["recompute"]

@@ -509,12 +509,15 @@ class Probe:
     On CuPy an interval of an idle GPU holds host time: a call that launches
     nothing (a gated early return) measures the host's Python between its two
     ``record()`` calls, and one that launches kernels measures them plus the
-    host's gaps between launches. ``hold_ms`` measures the GPU's side alone, what
-    a profiler calls kernel time: each :meth:`start` first enqueues a kernel that
-    keeps the stream busy for ``hold_ms`` (``raw_kernels.quant.hold_stream``), so
-    that the host enqueues the whole interval while the GPU is still behind it
-    and the two events bound the interval's GPU work back to back. That holds
-    only while the host enqueues an interval in well under ``hold_ms``:
+    host's gaps between launches. ``hold_ms`` measures the GPU's side alone: each
+    :meth:`start` first enqueues a kernel that keeps the stream busy for ``hold_ms``
+    (``raw_kernels.quant.hold_stream``), so that the host enqueues the whole
+    interval while the GPU is still behind it and the two events bound the
+    interval's GPU busy span: its kernels and the GPU's own gaps between them
+    (each launch's latency on the GPU; the first kernel also loses the overlap
+    programmatic dependent launch would give it behind the start event), no host
+    time. A profiler's kernel time, the sum of the kernels alone, is a little less.
+    That holds only while the host enqueues an interval in well under ``hold_ms``:
     :meth:`unheld` counts the intervals whose host span (:meth:`host_times_ms`,
     recorded on both backends) exceeded half of it, and :func:`held_floor_ms`
     measures what two events with nothing between them read under a hold, to
@@ -551,8 +554,9 @@ class Probe:
                                  "backend (NumPy intervals are host time), got "
                                  f"hold_ms={hold_ms!r} with NumPy")
             if isinstance(hold_ms, bool) or not isinstance(hold_ms, (int, float)) \
-                    or not hold_ms > 0:
-                raise ValueError(f"Invalid hold_ms: expected a number > 0, got {hold_ms!r}")
+                    or not 0 < hold_ms < float("inf"):
+                raise ValueError("Invalid hold_ms: expected a finite number > 0, got "
+                                 f"{hold_ms!r}")
         self.xp = xp
         self.hold_ms = hold_ms
         self.recording = True
@@ -645,12 +649,16 @@ class Probe:
         :meth:`stop`, hold launch included, in order."""
         return [(b - a) * 1e3 for a, b in self._host]
 
-    def unheld(self):
-        """How many intervals the host took more than half of ``hold_ms`` to enqueue
-        (their GPU time may hold host time); 0 without a hold."""
+    def unheld(self, last=None):
+        """How many intervals (of the ``last`` ones, when given) the host took more than
+        half of ``hold_ms`` to enqueue: their figures may hold host time. 0 without a
+        hold."""
         if self.hold_ms is None:
             return 0
-        return sum(t > 0.5 * self.hold_ms for t in self.host_times_ms())
+        spans = self.host_times_ms()
+        if last is not None:
+            spans = spans[len(spans) - last:] if last else []
+        return sum(t > 0.5 * self.hold_ms for t in spans)
 
     def summary(self, expected=None, floor_ms=0.0):
         """:func:`summarize` of :meth:`times_ms` (less ``floor_ms``); RuntimeError unless

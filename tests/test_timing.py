@@ -330,8 +330,8 @@ def test_hold_needs_cupy_and_a_positive_time(clock):
     with pytest.raises(ValueError, match="Invalid hold_ms: holding the stream needs the CuPy"):
         timing.Probe(np, hold_ms=1.0)
     xp = FakeEventsXp(clock)
-    for bad in (0, -1.0, True, "1", float("nan")):
-        with pytest.raises(ValueError, match="Invalid hold_ms: expected a number > 0"):
+    for bad in (0, -1.0, True, "1", float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="Invalid hold_ms: expected a finite number > 0"):
             timing.Probe(xp, hold_ms=bad)
     assert timing.Probe(xp, hold_ms=2).hold_ms == 2
 
@@ -359,6 +359,7 @@ def test_unheld_counts_intervals_the_host_took_over_half_the_hold(clock, holds):
         work(ms)
     assert probe.host_times_ms() == [pytest.approx(m) for m in (0.2, 0.6, 0.4, 0.51)]
     assert probe.unheld() == 2
+    assert probe.unheld(last=2) == 1 and probe.unheld(last=0) == 0   # the timed ones only
     s = probe.summary(expected=4, floor_ms=0.3)
     assert (s["hold_ms"], s["floor_ms"], s["unheld"]) == (1.0, 0.3, 2)
     # less the floor, never below 0
@@ -395,33 +396,41 @@ def test_hold_for_covers_the_slowest_host_interval():
 
 @pytest.mark.gpu
 def test_held_probe_reads_gpu_time_and_no_host_time():
-    """Behind a hold, an interval of host work alone reads the empty interval's floor,
-    one with a kernel in it reads that kernel; unheld, the host's sleep shows; a hold
-    shorter than the host's interval is reported as unheld."""
+    """The hold keeps the stream for its time. Behind it, host work inside an interval
+    does not show: an interval of host sleep alone reads the empty interval's floor, a
+    kernel reads the same with or without host sleep after it, two kernels with host
+    sleep between them read twice one. Without a hold the sleep shows; with a hold
+    shorter than the host's interval the leak shows and is counted unheld."""
     import cupy as cp
+    hold = timing.time_cuda(lambda: timing._hold_stream(cp, 20.0), warmup=1, iters=3)
+    assert 19.0 < hold["median_ms"] < 30.0
     floor = timing.held_floor_ms(cp, iters=10)
     assert 0.0 <= floor < 0.05
-    x = cp.random.random(1 << 25, dtype=cp.float32)
-    kernel = timing.time_cuda(lambda: x * 2.0, warmup=2, iters=10)["median_ms"]
-    assert kernel > 0.02                                   # 256 MB of traffic
+    x = cp.random.random(1 << 25, dtype=cp.float32)     # 128 MB in, 128 MB out a kernel
+    y = cp.empty_like(x)
 
-    def timed(hold_ms, launch):
+    def interval(hold_ms, kernels, sleep_s):
         probe = timing.Probe(cp, hold_ms=hold_ms)
 
         def call():
             probe.start()
-            if launch:
-                x * 2.0
-            time.sleep(0.005)                              # host only
+            for _ in range(kernels):
+                cp.multiply(x, 2.0, out=y)
+                time.sleep(sleep_s)                     # host only, after each launch
+            if not kernels:
+                time.sleep(sleep_s)
             probe.stop()
-        t = timing.time_cuda(call, warmup=1, iters=5, probe=probe)
-        return probe.summary(expected=5, floor_ms=floor if hold_ms else 0.0), t
+        timing.time_cuda(call, warmup=1, iters=5, probe=probe)
+        return probe.summary(expected=5, floor_ms=floor if hold_ms else 0.0)
 
-    assert timed(None, False)[0]["median_ms"] > 4.5         # the host's sleep
-    held, _ = timed(50.0, False)
-    assert held["unheld"] == 0 and held["median_ms"] < 0.02
-    held, _ = timed(50.0, True)
-    assert held["unheld"] == 0
-    assert 0.7 * kernel < held["median_ms"] < 1.5 * kernel + 0.01
-    short, _ = timed(2.0, False)                            # 5 ms of host > half of 2 ms
-    assert short["unheld"] == 5
+    assert interval(None, 0, 0.005)["median_ms"] > 4.5          # unheld: the sleep shows
+    empty = interval(50.0, 0, 0.005)
+    assert empty["unheld"] == 0 and empty["median_ms"] < 0.02
+    one = interval(50.0, 1, 0.0)["median_ms"]
+    assert one > 0.03, "the test kernel is too small to tell anything"
+    slept = interval(50.0, 1, 0.005)
+    assert slept["unheld"] == 0 and slept["median_ms"] == pytest.approx(one, rel=0.15)
+    two = interval(50.0, 2, 0.005)
+    assert two["unheld"] == 0 and two["median_ms"] == pytest.approx(2 * one, rel=0.25)
+    short = interval(2.0, 0, 0.005)                     # 5 ms of host behind a 2 ms hold
+    assert short["unheld"] == 5 and short["median_ms"] > 2.0
