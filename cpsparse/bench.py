@@ -324,14 +324,19 @@ def bench_short_prefill(xp, s, rng, progress, weights):
         ctx = ForwardContext.for_layers(meta, [name])
         xs = [(_rng_array(xp, rng, (length, cfg.hidden_size)),) for _ in range(s["sets"])]
         t, hosts, g = {}, {}, {True: None, False: None}
+
+        def time_indexer(layer, probe):
+            """The layer's forwards timed, ``probe`` on the indexer call inside them."""
+            with probe.patch(_mla, _indexer_entry()):
+                return timing.time_op(
+                    xp, lambda x: layer.forward(x, forward_context=ctx), xs, probe=probe,
+                    **it)
+
         for enabled, layer in layers.items():
             layer.indexer.stats.reset()
             layer.attention_stats.reset()
             probe = timing.Probe(xp)
-            with probe.patch(_mla, _indexer_entry()):
-                t[enabled] = timing.time_op(
-                    xp, lambda x, layer=layer: layer.forward(x, forward_context=ctx), xs,
-                    probe=probe, **it)
+            t[enabled] = time_indexer(layer, probe)
             hosts[enabled] = probe.host_times_ms()
         # the counters of the timed pass (the held pass below runs the calls again)
         on_skipped = layers[True].indexer.stats.skipped
@@ -343,10 +348,7 @@ def bench_short_prefill(xp, s, rng, progress, weights):
             # of its own (the holds sit inside the forwards it times).
             for enabled, layer in layers.items():
                 held = timing.Probe(xp, hold_ms=timing.hold_for(hosts[enabled]))
-                with held.patch(_mla, _indexer_entry()):
-                    timing.time_op(
-                        xp, lambda x, layer=layer: layer.forward(x, forward_context=ctx), xs,
-                        probe=held, **it)
+                time_indexer(layer, held)
                 g[enabled] = held.summary(expected=it["iters"], floor_ms=floor)
         can_fire = bool(meta.mla.prefill.use_dense_mha)
         fired = on_skipped > 0

@@ -15,6 +15,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from conftest import patch_numpy_holds
 from cpsparse import bench
 from cpsparse import mla as mla_module
 from cpsparse.mla import DeepseekV32MLA
@@ -320,16 +321,8 @@ def held_run(tmp_path_factory):
     from cpsparse import timing
 
     holds = []
-
-    class NumpyHeldProbe(timing.Probe):
-        def __init__(self, xp=np, *, hold_ms=None):
-            super().__init__(xp)
-            self.hold_ms = hold_ms
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(bench, "_gpu_time_pass", lambda xp: True)
-        mp.setattr(timing, "Probe", NumpyHeldProbe)
-        mp.setattr(timing, "_hold_stream", lambda xp, ms: holds.append(ms))
+        patch_numpy_holds(mp, holds)
         mp.setattr(timing, "held_floor_ms", lambda xp, *a, **k: 0.001)
         results = bench.run("numpy", ["short_prefill", "mtp"],
                             out_dir=tmp_path_factory.mktemp("held"), progress=lambda m: None)

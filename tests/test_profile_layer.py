@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from benchmarks import profile_layer as P
+from conftest import patch_numpy_holds
 from cpsparse.bench import sizes
 
 
@@ -64,17 +65,8 @@ def test_gpu_busy_spans_where_the_backend_has_a_gpu(monkeypatch):
     """On CuPy every stage gets its held (GPU-only) time too, and the report shows it: the
     plumbing on NumPy, with a probe that accepts hold_ms there and a hold that costs
     nothing."""
-    from cpsparse import bench, timing
-
-    class NumpyHeldProbe(timing.Probe):
-        def __init__(self, xp=np, *, hold_ms=None):
-            super().__init__(xp)
-            self.hold_ms = hold_ms
-
     holds = []
-    monkeypatch.setattr(bench, "_gpu_time_pass", lambda xp: True)
-    monkeypatch.setattr(timing, "Probe", NumpyHeldProbe)
-    monkeypatch.setattr(timing, "_hold_stream", lambda xp, ms: holds.append(ms))
+    patch_numpy_holds(monkeypatch, holds)
     s = sizes(np)
     (name, forward, inputs, setup), = [c for c in P.cases(np, s, np.random.default_rng(0))
                                        if c[0].startswith("decode B=1") and "scoring" in c[0]]
