@@ -1,6 +1,9 @@
 """Turn the JSON of ``python -m cpsparse.bench`` into docs/performance_scenarios.md.
 
-Usage: python tools/scenario_tables.py benchmarks/results/bench_cupy.json
+Usage: python tools/scenario_tables.py benchmarks/results/bench_cupy.json [MORE.json ...]
+
+Several files (runs on different GPUs, or of different scenarios) give one section each,
+in the order given: figures of different devices are never put in one table.
 """
 
 import json
@@ -23,8 +26,12 @@ def markdown(results):
              "Peers/ceilings measured in the same run: "
              + ", ".join(f"{k} = {v:.4g}" for k, v in c.items()) + ".", ""]
     for name, rows in results["scenarios"].items():
-        cols = COLUMNS[name]
-        lines += [f"**{TITLES[name]}**", "", "| " + " | ".join(cols) + " |",
+        cols, title = COLUMNS[name], TITLES[name]
+        if not all(any(k in r for r in rows) for k in cols):
+            # a run of an older cpsparse.bench: its own columns, in its order
+            cols = [k for k in rows[0] if k not in ("iters", "graph_note")]
+            title += " (the columns of the cpsparse.bench of that date)"
+        lines += [f"**{title}**", "", "| " + " | ".join(cols) + " |",
                   "| " + " | ".join("---" for _ in cols) + " |"]
         lines += ["| " + " | ".join(_fmt(r.get(k)) for k in cols) + " |" for r in rows]
         notes = sorted({r["graph_note"] for r in rows if r.get("graph_note")})
@@ -33,7 +40,9 @@ def markdown(results):
 
 
 if __name__ == "__main__":
-    data = json.loads(pathlib.Path(sys.argv[1]).read_text())
+    runs = [json.loads(pathlib.Path(p).read_text()) for p in sys.argv[1:]]
+    if not runs:
+        sys.exit(__doc__)
     out = pathlib.Path(__file__).resolve().parent.parent / "docs" / "performance_scenarios.md"
-    out.write_text(markdown(data))
+    out.write_text("\n".join(markdown(data) for data in runs))
     print(out)
