@@ -1,6 +1,6 @@
 """Turn the JSON of ``python -m cpsparse.bench`` into docs/performance_scenarios.md.
 
-Usage: python tools/scenario_tables.py benchmarks/results/bench_cupy.json [MORE.json ...]
+Usage: python tools/scenario_tables.py [RUN.json ...]   (default: RUNS, newest first)
 
 Several files (runs on different GPUs, or of different scenarios) give one section each,
 in the order given: figures of different devices are never put in one table.
@@ -11,6 +11,10 @@ import pathlib
 import sys
 
 from cpsparse.bench import COLUMNS, _fmt
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The committed runs the page shows, newest first.
+RUNS = ("benchmarks/results/bench_cupy_h100.json", "benchmarks/results/bench_cupy.json")
 
 TITLES = {
     "short_prefill": "Short-prefill skip: indexer latency, gate enabled vs disabled",
@@ -39,10 +43,12 @@ def markdown(results):
     return "\n".join(lines) + "\n"
 
 
+def page(paths):
+    """docs/performance_scenarios.md of the runs at ``paths``: a section each."""
+    return "\n".join(markdown(json.loads(pathlib.Path(p).read_text())) for p in paths)
+
+
 if __name__ == "__main__":
-    runs = [json.loads(pathlib.Path(p).read_text()) for p in sys.argv[1:]]
-    if not runs:
-        sys.exit(__doc__)
-    out = pathlib.Path(__file__).resolve().parent.parent / "docs" / "performance_scenarios.md"
-    out.write_text("\n".join(markdown(data) for data in runs))
+    out = ROOT / "docs" / "performance_scenarios.md"
+    out.write_text(page(sys.argv[1:] or [ROOT / p for p in RUNS]))
     print(out)
