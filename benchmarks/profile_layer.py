@@ -8,8 +8,10 @@ where the public ops of a decode step sum to 0.1-0.3 ms and the projections to
 This splits one forward into its stages, each timed as its own interval
 (:class:`cpsparse.timing.Probe` on the function the layer calls; CUDA events on
 CuPy), beside the whole forward on the same clock and its host time on an idle
-device (:func:`cpsparse.timing.time_host`), then lists the functions with the most
-own host time (:mod:`cProfile`), so that a fix can be aimed at what costs.
+device (:func:`cpsparse.timing.time_host`); on CuPy also each stage's and the
+forward's GPU busy span alone (a held probe: no host time); then lists the functions
+with the most own host time (:mod:`cProfile`), so that a fix can be aimed at what
+costs.
 
 Run on a GPU machine from the repository root (DeepSeek-V3.2 sizes)::
 
@@ -109,31 +111,61 @@ def cases(xp, s, rng, quick=False):
     return out
 
 
-def stage_times(xp, forward, inputs, warmup, iters):
+def _probed(probe, owner, name, forward, inputs, calls, iters, floor_ms=0.0):
+    """Per-forward sums (ms) of ``probe``'s intervals around ``owner.name`` over ``iters``
+    forwards that each call it ``calls`` times (less ``floor_ms`` an interval)."""
+    with probe.patch(owner, name):
+        probe.reset()
+        probe.reserve(2 * calls * iters)        # no event made inside an interval
+        for i in range(iters):
+            forward(*inputs[i % len(inputs)])
+    times = numpy.asarray(probe.times_ms(floor_ms))
+    if times.size != calls * iters:
+        raise RuntimeError(f"{owner.__name__}.{name}: {times.size} calls in {iters} "
+                           f"forwards, {calls} in the first")
+    return times.reshape(iters, calls).sum(axis=1)
+
+
+def stage_times(xp, forward, inputs, warmup, iters, floor_ms=None):
     """``{"forward": summary, "host_us": summary, "stages": {stage: summary + "calls"}}``:
     the whole forward, its host time on an idle device, and every stage it called
-    (``calls``: calls a forward; a stage not called is left out)."""
+    (``calls``: calls a forward; a stage not called is left out).
+
+    On CuPy each stage also gets ``gpu_ms`` (median a forward) and ``gpu_unheld``: the
+    same calls' GPU busy span alone, each behind a stream hold (:class:`cpsparse.timing.
+    Probe` ``hold_ms``, ``floor_ms`` subtracted: by default :func:`cpsparse.timing.
+    held_floor_ms`), and the result ``forward_gpu``, the whole forward's."""
     whole = timing.time_op(xp, forward, inputs, warmup=warmup, iters=iters)
     host = timing.time_host(forward, inputs, xp=xp, warmup=warmup, iters=iters)
+    gpu = _bench._gpu_time_pass(xp)
+    if gpu and floor_ms is None:
+        floor_ms = timing.held_floor_ms(xp)
     stages = {}
     for stage, owner, name in STAGES:
         probe = timing.Probe(xp)
         with probe.patch(owner, name):
             forward(*inputs[0])                 # how many calls a forward makes
             calls = len(probe.times_ms())
-            if not calls:
-                continue
-            probe.reset()
-            probe.reserve(2 * calls * iters)    # no event made inside an interval
-            for i in range(iters):
-                forward(*inputs[i % len(inputs)])
-        times = numpy.asarray(probe.times_ms())
-        if times.size != calls * iters:
-            raise RuntimeError(f"{stage}: {times.size} calls in {iters} forwards, "
-                               f"{calls} in the first")
-        per_forward = times.reshape(iters, calls).sum(axis=1)
+        if not calls:
+            continue
+        per_forward = _probed(probe, owner, name, forward, inputs, calls, iters)
         stages[stage] = dict(timing.summarize(per_forward.tolist()), calls=calls)
-    return dict(forward=whole, host_us=host, stages=stages)
+        if gpu:
+            held = timing.Probe(xp, hold_ms=timing.hold_for(probe.host_times_ms()))
+            held_per_forward = _probed(held, owner, name, forward, inputs, calls, iters,
+                                       floor_ms)
+            stages[stage].update(gpu_ms=float(numpy.median(held_per_forward)),
+                                 gpu_unheld=held.unheld())
+    out = dict(forward=whole, host_us=host, stages=stages)
+    if gpu:
+        # the whole forward behind one hold (its host time measured on an idle device)
+        held = timing.Probe(xp, hold_ms=timing.hold_for(host["p90_us"] / 1e3))
+        timed = held.wrap(forward)
+        held.reserve(2 * iters)
+        for i in range(iters):
+            timed(*inputs[i % len(inputs)])
+        out["forward_gpu"] = dict(held.summary(expected=iters, floor_ms=floor_ms))
+    return out
 
 
 def host_profile(forward, inputs, xp, calls, top=15):
@@ -153,12 +185,20 @@ def report(name, t, calls_per_forward=None):
              f"{f['p90_ms']:.4f}); host {t['host_us']['median_us']:.1f} us on an idle device"
              + (f"; {calls_per_forward:.0f} Python calls a forward"
                 if calls_per_forward is not None else "")]
+    if "forward_gpu" in t:
+        g = t["forward_gpu"]
+        lines.append(f"  GPU busy span of the forward {g['median_ms']:.4f} ms (p10-p90 "
+                     f"{g['p10_ms']:.4f}-{g['p90_ms']:.4f}; held, {g['unheld']} unheld); "
+                     "each stage's after its share")
     covered = 0.0
     for stage, st in t["stages"].items():
         covered += st["median_ms"]
         lines.append(f"  {stage:22s} {st['median_ms']:9.4f} ms  ({st['p10_ms']:.4f}-"
                      f"{st['p90_ms']:.4f})  {100 * st['median_ms'] / f['median_ms']:5.1f}%"
-                     f"  x{st['calls']}")
+                     f"  x{st['calls']}"
+                     + (f"  GPU {st['gpu_ms']:.4f} ms" + (f" ({st['gpu_unheld']} unheld)"
+                                                          if st["gpu_unheld"] else "")
+                        if "gpu_ms" in st else ""))
     lines.append(f"  {'rest of the forward':22s} {f['median_ms'] - covered:9.4f} ms"
                  "  (forward median minus the stage medians)")
     return lines
@@ -183,10 +223,11 @@ def main(argv=None):
     text, results = [], {}
     previous = cpsparse.set_device_value_checks(False)
     try:
+        floor = timing.held_floor_ms(xp)        # an empty held interval (0.0 on NumPy)
         for name, forward, inputs, setup in cases(xp, s, rng, args.quick):
             if setup is not None:
                 setup()
-            t = stage_times(xp, forward, inputs, warmup=2, iters=args.iters)
+            t = stage_times(xp, forward, inputs, warmup=2, iters=args.iters, floor_ms=floor)
             calls, prof = (host_profile(forward, inputs, xp, args.profile_calls)
                            if args.profile_calls else (None, ""))
             results[name] = dict(t, python_calls_per_forward=calls)

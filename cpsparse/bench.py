@@ -65,7 +65,12 @@ SCENARIOS = ("short_prefill", "mtp", "decode_step")
 METHOD = ("cpsparse.timing: warm-up, then every call timed alone over rotating input sets "
           "(CUDA events on CuPy, perf_counter on NumPy); median with p10/p90 "
           "(*_p10_p90_ms = [p10, p90]); graph replay = calls captured once in a CUDA "
-          "graph, per call")
+          "graph, per call; *_gpu_*: the same probed intervals' GPU time alone, as the "
+          "seeds measure (CuPy: each interval behind a stream hold, so that its two "
+          "events bound its kernels and the GPU's gaps between them, no host time, less "
+          "gpu_floor_ms, what an empty held interval reads; gpu_unheld: timed intervals "
+          "the host took over half the hold to enqueue, whose figure may hold host time; "
+          "None on NumPy)")
 
 WHAT = {
     "short_prefill": "indexer call (sparse_attn_indexer, skip_k_cache_insert=True: the "
@@ -74,13 +79,16 @@ WHAT = {
                      "(StaticPlatform(cuda=True)) vs off "
                      "(StaticPlatform(cuda=False)); forward_*: the whole layer forward; "
                      "reduction_pct only where the gate fires (None where L > index_topk: "
-                     "it cannot)",
+                     "it cannot); *_gpu_*: the indexer call's GPU time alone (as the seed "
+                     "measures its kernel-level latency), gpu_reduction_pct from those",
     "mtp": "steps 1+ of a real MTPDrafter round (reuse: step 0's top-k) vs the same steps "
            "scoring again (MTPDrafter(num_steps=1) per step); path_*: their indexer steps "
            "(the layer's _score: the indexer's queries and keys, its cache insert, "
            "scoring and top-k: all that the reuse skips) and attention calls (_sparse: "
            "slots + sparse_mla_attention), probed inside the forwards and summed per "
-           "round, the seed's measure; forward_*: their whole layer forwards; *_effect_clear: both "
+           "round; path_gpu_*: the same intervals' GPU time alone, the seed's measure "
+           "(kernel time on draft steps 1+); forward_*: their whole layer forwards; "
+           "*_effect_clear: both "
            "p10-p90 spreads narrower than the gap between the medians; round_*: the whole "
            "round; *_indexer_calls: indexer calls per round",
     "decode_step": "public ops of one decode step; attention_ms: sparse_mla_attention "
@@ -246,9 +254,30 @@ class DecodeStep:
         return sparse_mla_attention(self.q[j], self.mcache, slots, self.sm_scale)
 
 
+def _median(t):
+    return None if t is None else t["median_ms"]
+
+
 def _spread(t):
-    """[p10, p90] of a timing dict (ms)."""
-    return [t["p10_ms"], t["p90_ms"]]
+    """[p10, p90] of a timing dict (ms); None for None (a figure not measured)."""
+    return None if t is None else [t["p10_ms"], t["p90_ms"]]
+
+
+def _gpu_time_pass(xp):
+    """Whether the scenarios time their probed intervals' GPU time alone too (a held
+    pass, :class:`cpsparse.timing.Probe` ``hold_ms``): on CuPy; NumPy has no GPU."""
+    return xp is not numpy
+
+
+def _held_figures(summaries):
+    """``gpu_floor_ms``, ``gpu_hold_ms`` (the largest) and ``gpu_unheld`` (the sum) of
+    held probe summaries (all None where nothing was held: NumPy)."""
+    summaries = [t for t in summaries if t is not None]
+    if not summaries:
+        return dict(gpu_floor_ms=None, gpu_hold_ms=None, gpu_unheld=None)
+    return dict(gpu_floor_ms=summaries[0]["floor_ms"],
+                gpu_hold_ms=max(t["hold_ms"] for t in summaries),
+                gpu_unheld=sum(t["unheld"] for t in summaries))
 
 
 def _pm(t):
@@ -287,24 +316,42 @@ def bench_short_prefill(xp, s, rng, progress, weights):
                                  f"{'enabled' if enabled else 'disabled'}")
         layer.allocate_kv_cache(blocks, max_num_tokens=longest)
     it = dict(warmup=s["warmup"], iters=s["iters"])
+    floor = timing.held_floor_ms(xp)        # an empty held interval (0.0 on NumPy)
     rows = []
     for length in s["short_lens"]:
         meta = build_batch([length], [0], table, block_size=cfg.block_size,
                            index_topk=cfg.index_topk)
         ctx = ForwardContext.for_layers(meta, [name])
         xs = [(_rng_array(xp, rng, (length, cfg.hidden_size)),) for _ in range(s["sets"])]
-        t = {}
+        t, hosts, g = {}, {}, {True: None, False: None}
+
+        def time_indexer(layer, probe):
+            """The layer's forwards timed, ``probe`` on the indexer call inside them."""
+            with probe.patch(_mla, _indexer_entry()):
+                return timing.time_op(
+                    xp, lambda x: layer.forward(x, forward_context=ctx), xs, probe=probe,
+                    **it)
+
         for enabled, layer in layers.items():
             layer.indexer.stats.reset()
             layer.attention_stats.reset()
             probe = timing.Probe(xp)
-            with probe.patch(_mla, _indexer_entry()):
-                t[enabled] = timing.time_op(
-                    xp, lambda x, layer=layer: layer.forward(x, forward_context=ctx), xs,
-                    probe=probe, **it)
-        on, off = layers[True].indexer.stats, layers[False].indexer.stats
+            t[enabled] = time_indexer(layer, probe)
+            hosts[enabled] = probe.host_times_ms()
+        # the counters of the timed pass (the held pass below runs the calls again)
+        on_skipped = layers[True].indexer.stats.skipped
+        off_skipped = layers[False].indexer.stats.skipped
+        forwards = layers[True].attention_stats.forwards
+        if _gpu_time_pass(xp):
+            # The same calls' GPU time alone (the GPU's busy span: kernels and the gaps
+            # between them on the GPU, no host time): each call behind a hold, in a pass
+            # of its own (the holds sit inside the forwards it times).
+            for enabled, layer in layers.items():
+                held = timing.Probe(xp, hold_ms=timing.hold_for(hosts[enabled]))
+                time_indexer(layer, held)
+                g[enabled] = held.summary(expected=it["iters"], floor_ms=floor)
         can_fire = bool(meta.mla.prefill.use_dense_mha)
-        fired = on.skipped > 0
+        fired = on_skipped > 0
         idx_on, idx_off = t[True]["inner"], t[False]["inner"]
         if fired:
             gate = "fires (L <= index_topk)"
@@ -318,14 +365,27 @@ def bench_short_prefill(xp, s, rng, progress, weights):
                    gate_off_ms=idx_off["median_ms"], gate_off_p10_p90_ms=_spread(idx_off),
                    reduction_pct=(100.0 * (1 - idx_on["median_ms"] / idx_off["median_ms"])
                                   if fired else None),
+                   gate_on_gpu_ms=_median(g[True]), gate_on_gpu_p10_p90_ms=_spread(g[True]),
+                   gate_off_gpu_ms=_median(g[False]),
+                   gate_off_gpu_p10_p90_ms=_spread(g[False]),
+                   gpu_reduction_pct=(100.0 * (1 - g[True]["median_ms"] / g[False]["median_ms"])
+                                      if fired and g[False] and g[False]["median_ms"] > 0
+                                      else None),
+                   **_held_figures(g.values()),
                    forward_on_ms=t[True]["median_ms"], forward_on_p10_p90_ms=_spread(t[True]),
                    forward_off_ms=t[False]["median_ms"],
                    forward_off_p10_p90_ms=_spread(t[False]),
-                   gate_on_skipped=on.skipped, gate_off_skipped=off.skipped,
-                   forwards=layers[True].attention_stats.forwards, iters=idx_on["iters"])
+                   gate_on_skipped=on_skipped, gate_off_skipped=off_skipped,
+                   forwards=forwards, iters=idx_on["iters"])
         rows.append(row)
         tail = (f"reduction {row['reduction_pct']:.1f}%" if fired
                 else f"gate {gate}: not a reduction")
+        if g[False]:
+            tail += (f"; GPU time on {_pm(g[True])}, off {_pm(g[False])}"
+                     + (f", reduction {row['gpu_reduction_pct']:.1f}%"
+                        if row["gpu_reduction_pct"] is not None else "")
+                     + (f" ({row['gpu_unheld']} intervals unheld)" if row["gpu_unheld"]
+                        else ""))
         progress(f"short_prefill L={length}: indexer gate on {_pm(idx_on)}, off {_pm(idx_off)}; "
                  f"{tail}; forward on {_pm(t[True])}, off {_pm(t[False])}")
     return rows
@@ -367,6 +427,7 @@ def bench_mtp(xp, s, rng, progress, weights):
     drafter, single = MTPDrafter(layer, steps), MTPDrafter(layer, 1)
     it = dict(warmup=s["warmup"], iters=s["iters"])
     rounds = it["warmup"] + it["iters"]
+    floor = timing.held_floor_ms(xp)        # an empty held interval (0.0 on NumPy)
     rows = []
     for batch in s["mtp_batches"]:
         for context in s["mtp_contexts"]:
@@ -384,13 +445,14 @@ def bench_mtp(xp, s, rng, progress, weights):
             span = timing.Probe(xp)             # steps 1+, whole forwards
             path = timing.Probe(xp)             # their indexer steps and attention calls
             path.recording = False
+            probes = {"path": path}             # the path probe of the pass being timed
 
             def steps_begin():
                 span.start()
-                path.recording = True
+                probes["path"].recording = True
 
             def steps_end():
-                path.recording = False
+                probes["path"].recording = False
                 span.stop()
 
             def reuse(j):
@@ -410,25 +472,44 @@ def bench_mtp(xp, s, rng, progress, weights):
 
             inputs = [(j,) for j in range(s["sets"])]
             t, p, calls = {}, {}, {}
+            g: dict = {"reuse": None, "recompute": None}
             # reuse: one attention call a step; recompute: the indexer step's and attention's
-            for mode, fn, per_step in (("reuse", reuse, 1), ("recompute", recompute, 2)):
+            modes = (("reuse", reuse, 1), ("recompute", recompute, 2))
+            for mode, fn, per_step in modes:
                 layer.indexer.stats.reset()
-                path.reset()
-                path.reserve(2 * rounds * per_step * (steps - 1))    # (not reset by time_op)
-                with path.patch(DeepseekV32MLA, "_score"), \
-                        path.patch(DeepseekV32MLA, "_sparse"):
-                    t[mode] = timing.time_op(xp, fn, inputs, probe=span, **it)
+                t[mode] = _time_path(xp, fn, inputs, it, span, path, per_step * (steps - 1))
                 p[mode] = _per_round(path.times_ms(), rounds, per_step * (steps - 1),
                                      it["iters"])
                 calls[mode] = layer.indexer.stats.calls / rounds
+                if _gpu_time_pass(xp):
+                    # the same intervals' GPU time alone, each behind a hold (a pass of
+                    # its own: the holds sit inside the forwards it times)
+                    timed = it["iters"] * per_step * (steps - 1)    # the timed rounds'
+                    probes["path"] = held = timing.Probe(
+                        xp, hold_ms=timing.hold_for(path.host_times_ms()[-timed:]))
+                    held.recording = False
+                    _time_path(xp, fn, inputs, it, span, held, per_step * (steps - 1))
+                    g[mode] = dict(_per_round(held.times_ms(floor), rounds,
+                                              per_step * (steps - 1), it["iters"]),
+                                   hold_ms=held.hold_ms, floor_ms=floor,
+                                   unheld=held.unheld(last=timed))
+                    probes["path"] = path
             fr, fc = t["reuse"]["inner"], t["recompute"]["inner"]
             pr, pc = p["reuse"], p["recompute"]
+            gr, gc = g["reuse"], g["recompute"]
             row = dict(batch=batch, context=context, steps=steps,
                        path_reuse_ms=pr["median_ms"], path_reuse_p10_p90_ms=_spread(pr),
                        path_recompute_ms=pc["median_ms"],
                        path_recompute_p10_p90_ms=_spread(pc),
                        path_speedup=pc["median_ms"] / pr["median_ms"],
                        path_effect_clear=_effect_clear(pr, pc),
+                       path_gpu_reuse_ms=_median(gr), path_gpu_reuse_p10_p90_ms=_spread(gr),
+                       path_gpu_recompute_ms=_median(gc),
+                       path_gpu_recompute_p10_p90_ms=_spread(gc),
+                       path_gpu_speedup=(gc["median_ms"] / gr["median_ms"]
+                                         if gr and gr["median_ms"] > 0 else None),
+                       path_gpu_effect_clear=_effect_clear(gr, gc) if gr else None,
+                       **_held_figures([gr, gc]),
                        forward_reuse_ms=fr["median_ms"], forward_reuse_p10_p90_ms=_spread(fr),
                        forward_recompute_ms=fc["median_ms"],
                        forward_recompute_p10_p90_ms=_spread(fc),
@@ -439,13 +520,27 @@ def bench_mtp(xp, s, rng, progress, weights):
                        reuse_indexer_calls=calls["reuse"],
                        recompute_indexer_calls=calls["recompute"], iters=pr["iters"])
             rows.append(row)
+            gpu = (f"; their GPU time reuse {_pm(gr)}, recompute {_pm(gc)}, "
+                   + (f"{row['path_gpu_speedup']:.2f}x" if row["path_gpu_speedup"] else "-")
+                   + (f" ({row['gpu_unheld']} intervals unheld)" if row["gpu_unheld"]
+                      else "") if gr else "")
             progress(f"mtp B={batch} ctx={context}: steps 1..{steps - 1} indexer + attention "
-                     f"reuse {_pm(pr)}, recompute {_pm(pc)}, {row['path_speedup']:.2f}x; "
+                     f"reuse {_pm(pr)}, recompute {_pm(pc)}, {row['path_speedup']:.2f}x{gpu}; "
                      f"whole forwards reuse {_pm(fr)}, recompute {_pm(fc)}, "
                      f"{row['forward_speedup']:.2f}x (indexer calls per round "
                      f"{calls['reuse']:g} vs {calls['recompute']:g})")
             layer.mla_cache = layer.indexer_cache = None
     return rows
+
+
+def _time_path(xp, fn, inputs, it, span, path, per_round):
+    """One timed pass of an MTP mode: ``span`` around steps 1+ (time_op's probe),
+    ``path`` (``per_round`` intervals a round, recorded while the round's callbacks
+    switch it on) around the layer's ``_score`` and ``_sparse`` calls in them."""
+    path.reset()
+    path.reserve(2 * (it["warmup"] + it["iters"]) * per_round)    # (not reset by time_op)
+    with path.patch(DeepseekV32MLA, "_score"), path.patch(DeepseekV32MLA, "_sparse"):
+        return timing.time_op(xp, fn, inputs, probe=span, **it)
 
 
 # ---- scenario 3: decode step ----------------------------------------------------
@@ -531,11 +626,15 @@ def _decode_roofline(batch, context, s, ceilings):
 COLUMNS = {
     "short_prefill": ["tokens", "topk", "use_dense_mha", "skip_fired", "gate_on_ms",
                       "gate_on_p10_p90_ms", "gate_off_ms", "gate_off_p10_p90_ms",
-                      "reduction_pct", "forward_on_ms", "forward_off_ms", "gate"],
+                      "reduction_pct", "gate_on_gpu_ms", "gate_off_gpu_ms",
+                      "gate_off_gpu_p10_p90_ms", "gpu_reduction_pct", "gpu_unheld",
+                      "forward_on_ms", "forward_off_ms", "gate"],
     "mtp": ["batch", "context", "path_reuse_ms", "path_reuse_p10_p90_ms",
             "path_recompute_ms", "path_recompute_p10_p90_ms", "path_speedup",
+            "path_gpu_reuse_ms", "path_gpu_recompute_ms", "path_gpu_speedup", "gpu_unheld",
             "forward_reuse_ms", "forward_recompute_ms", "forward_speedup",
-            "path_effect_clear", "forward_effect_clear", "recompute_indexer_calls"],
+            "path_effect_clear", "path_gpu_effect_clear", "forward_effect_clear",
+            "recompute_indexer_calls"],
     "decode_step": ["batch", "context", "projections_ms", "indexer_ms", "topk_ms", "slots_ms",
                     "attention_ms", "sparse_path_ms", "eager_step_ms",
                     "eager_step_p10_p90_ms", "graph_replay_ms", "graph_replay_p10_p90_ms",
@@ -655,12 +754,17 @@ def plot(results, out_dir):
     if rows:
         fig, ax = plt.subplots(figsize=(7.5, 3.5))
         xs = [str(r["tokens"]) for r in rows]
-        for shift, key, label in ((-0.2, "gate_off", "gate disabled"),
-                                  (0.2, "gate_on", "gate enabled")):
+        bars = [("gate_off", "gate disabled"), ("gate_on", "gate enabled")]
+        if all(r.get("gate_off_gpu_ms") is not None for r in rows):
+            bars += [("gate_off_gpu", "gate disabled, GPU time"),
+                     ("gate_on_gpu", "gate enabled, GPU time")]
+        width = 0.8 / len(bars)
+        for b, (key, label) in enumerate(bars):
             med = [r[f"{key}_ms"] for r in rows]
             err = [[m - r[f"{key}_p10_p90_ms"][0] for m, r in zip(med, rows)],
                    [r[f"{key}_p10_p90_ms"][1] - m for m, r in zip(med, rows)]]
-            ax.bar([i + shift for i in range(len(xs))], med, 0.4, yerr=err, label=label)
+            ax.bar([i + (b - (len(bars) - 1) / 2) * width for i in range(len(xs))], med,
+                   width, yerr=err, label=label)
         ax.set_xticks(range(len(xs)), xs)
         ax.set_xlabel(f"prefill tokens (index_topk {rows[0]['topk']})")
         ax.set_ylabel("indexer time in the layer forward (ms)")
@@ -670,10 +774,14 @@ def plot(results, out_dir):
     rows = results["scenarios"].get("mtp")
     if rows:
         fig, ax = plt.subplots(figsize=(7.5, 3.5))
-        for shift, key, label in ((-0.2, "path_speedup", "indexer steps + attention calls"),
-                                  (0.2, "forward_speedup", "whole layer forwards")):
-            ax.bar([i + shift for i in range(len(rows))], [r[key] for r in rows], 0.4,
-                   label=label)
+        bars = [("path_speedup", "indexer steps + attention calls"),
+                ("forward_speedup", "whole layer forwards")]
+        if all(r.get("path_gpu_speedup") is not None for r in rows):
+            bars.insert(1, ("path_gpu_speedup", "the same calls, GPU time"))
+        width = 0.8 / len(bars)
+        for b, (key, label) in enumerate(bars):
+            ax.bar([i + (b - (len(bars) - 1) / 2) * width for i in range(len(rows))],
+                   [r[key] for r in rows], width, label=label)
         ax.axhline(2.0, color="gray", ls="--", label="target 2.0x")
         _batch_context_ticks(ax, rows)
         ax.set_ylabel("steps 1+: recompute / reuse")

@@ -328,6 +328,15 @@ def paged_mqa_logits(q_codes: Array, cache: IndexerKCache | Array, weights: Arra
     float32 [B * next_n, max_context_len]
         ``-inf`` at positions a row does not see.
 
+    Notes
+    -----
+    No schedule argument: where the warp-specialized decode kernels run (Hopper,
+    57-64 heads, pages of 64 keys, next_n 1 or 2), each CTA reads the context lengths
+    on the device and takes an equal share of the batch's work. A batch of mixed
+    lengths is balanced by its actual lengths, and a captured CUDA graph stays right
+    when they change (DeepGEMM asks for ``get_paged_mqa_logits_metadata`` once per
+    batch instead).
+
     Examples
     --------
     >>> import numpy as np, cpsparse

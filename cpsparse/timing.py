@@ -27,7 +27,9 @@ Clocks:
                             GPU (``perf_counter_ns``, microseconds)
 :class:`Probe`              intervals inside a driver's call (a wrapped inner
                             function, or manual start/stop marks), on the same
-                            clock as the call around them
+                            clock as the call around them, or (``hold_ms``)
+                            their GPU time alone
+:func:`held_floor_ms`       what a held interval reads with nothing in it
 ==========================  ==================================================
 
 Ceilings, measured one way for every script (:func:`measure_ceilings`):
@@ -53,7 +55,8 @@ import time
 import numpy
 
 __all__ = ["summarize", "time_cpu", "time_cuda", "time_torch", "time_op", "time_graph",
-           "time_graph_torch", "try_time_graph", "time_host", "Probe", "cupy",
+           "time_graph_torch", "try_time_graph", "time_host", "Probe", "hold_for",
+           "held_floor_ms", "cupy",
            "torch_or_none", "synchronize", "copy_bandwidth_tbs", "bf16_gemm_tflops",
            "fp8_gemm_tflops", "measure_ceilings"]
 
@@ -503,10 +506,31 @@ class Probe:
     A wrapped call is recorded only while :attr:`recording` is true (default):
     a driver's callbacks can switch it to time the calls of some of its steps.
 
+    On CuPy an interval of an idle GPU holds host time: a call that launches
+    nothing (a gated early return) measures the host's Python between its two
+    ``record()`` calls, and one that launches kernels measures them plus the
+    host's gaps between launches. ``hold_ms`` measures the GPU's side alone: each
+    :meth:`start` first enqueues a kernel that keeps the stream busy for ``hold_ms``
+    (``raw_kernels.quant.hold_stream``), so that the host enqueues the whole
+    interval while the GPU is still behind it and the two events bound the
+    interval's GPU busy span: its kernels and the GPU's own gaps between them
+    (each launch's latency on the GPU; the first kernel also loses the overlap
+    programmatic dependent launch would give it behind the start event), no host
+    time. A profiler's kernel time, the sum of the kernels alone, is a little less.
+    That holds only while the host enqueues an interval in well under ``hold_ms``:
+    :meth:`unheld` counts the intervals whose host span (:meth:`host_times_ms`,
+    recorded on both backends) exceeded half of it, and :func:`held_floor_ms`
+    measures what two events with nothing between them read under a hold, to
+    subtract (``times_ms(floor_ms=)``). The calls around the probe then include
+    the holds: time them in another pass.
+
     Parameters
     ----------
     xp : module
         ``numpy`` or ``cupy``.
+    hold_ms : float, optional
+        CuPy only (NumPy intervals are host time): hold the stream this long
+        before each interval.
 
     Examples
     --------
@@ -523,8 +547,18 @@ class Probe:
     (5, True)
     """
 
-    def __init__(self, xp=numpy):
+    def __init__(self, xp=numpy, *, hold_ms=None):
+        if hold_ms is not None:
+            if xp is numpy:
+                raise ValueError("Invalid hold_ms: holding the stream needs the CuPy "
+                                 "backend (NumPy intervals are host time), got "
+                                 f"hold_ms={hold_ms!r} with NumPy")
+            if isinstance(hold_ms, bool) or not isinstance(hold_ms, (int, float)) \
+                    or not 0 < hold_ms < float("inf"):
+                raise ValueError("Invalid hold_ms: expected a finite number > 0, got "
+                                 f"{hold_ms!r}")
         self.xp = xp
+        self.hold_ms = hold_ms
         self.recording = True
         self._events = []               # CUDA events made so far, reused after reset()
         self.reset()
@@ -532,6 +566,7 @@ class Probe:
     def reset(self):
         """Forget the recorded intervals (and an open start mark)."""
         self._intervals = []
+        self._host = []                 # perf_counter at each interval's start and stop
         self._open = None
         self._used = 0
 
@@ -553,16 +588,21 @@ class Probe:
         return event
 
     def start(self):
-        """Open an interval here."""
+        """Open an interval here (with ``hold_ms``: after enqueueing the hold)."""
         if self._open is not None:
             raise RuntimeError("Probe.start() twice without stop()")
-        self._open = self._mark()
+        host = time.perf_counter()
+        if self.hold_ms is not None:
+            _hold_stream(self.xp, self.hold_ms)
+        self._open = (host, self._mark())
 
     def stop(self):
         """Close the open interval here."""
         if self._open is None:
             raise RuntimeError("Probe.stop() without start()")
-        self._intervals.append((self._open, self._mark()))
+        host, mark = self._open
+        self._intervals.append((mark, self._mark()))
+        self._host.append((host, time.perf_counter()))
         self._open = None
 
     def wrap(self, fn):
@@ -593,23 +633,84 @@ class Probe:
         finally:
             setattr(owner, name, original)
 
-    def times_ms(self):
-        """Milliseconds of every closed interval, in order."""
+    def times_ms(self, floor_ms=0.0):
+        """Milliseconds of every closed interval, in order, each less ``floor_ms``
+        (:func:`held_floor_ms`; not below 0)."""
         if self.xp is numpy:
-            return [(b - a) * 1e3 for a, b in self._intervals]
-        if self._intervals:
-            self._intervals[-1][1].synchronize()
-        return [self.xp.cuda.get_elapsed_time(a, b) for a, b in self._intervals]
+            times = [(b - a) * 1e3 for a, b in self._intervals]
+        else:
+            if self._intervals:
+                self._intervals[-1][1].synchronize()
+            times = [self.xp.cuda.get_elapsed_time(a, b) for a, b in self._intervals]
+        return [max(t - floor_ms, 0.0) for t in times] if floor_ms else times
 
-    def summary(self, expected=None):
-        """:func:`summarize` of :meth:`times_ms`; RuntimeError unless there are
-        ``expected`` intervals (when given)."""
-        times = self.times_ms()
+    def host_times_ms(self):
+        """Host milliseconds (``perf_counter``) from each interval's :meth:`start` to its
+        :meth:`stop`, hold launch included, in order."""
+        return [(b - a) * 1e3 for a, b in self._host]
+
+    def unheld(self, last=None):
+        """How many intervals (of the ``last`` ones, when given) the host took more than
+        half of ``hold_ms`` to enqueue: their figures may hold host time. 0 without a
+        hold."""
+        if self.hold_ms is None:
+            return 0
+        spans = self.host_times_ms()
+        if last is not None:
+            spans = spans[len(spans) - last:] if last else []
+        return sum(t > 0.5 * self.hold_ms for t in spans)
+
+    def summary(self, expected=None, floor_ms=0.0):
+        """:func:`summarize` of :meth:`times_ms` (less ``floor_ms``); RuntimeError unless
+        there are ``expected`` intervals (when given). With ``hold_ms`` it also says
+        ``hold_ms``, ``floor_ms`` and :meth:`unheld`."""
+        times = self.times_ms(floor_ms)
         if expected is not None and len(times) != expected:
             raise RuntimeError(f"Probe recorded {len(times)} intervals, expected {expected} "
                                "(one per timed call): the driver did not call what was "
                                "probed as expected")
-        return summarize(times)
+        out = summarize(times)
+        if self.hold_ms is not None:
+            out.update(hold_ms=self.hold_ms, floor_ms=floor_ms, unheld=self.unheld())
+        return out
+
+
+def _hold_stream(xp, ms):
+    """Keep ``xp``'s current stream busy for ``ms`` of GPU time (Probe's hold)."""
+    from cpsparse.raw_kernels import quant
+    quant.hold_stream(xp, ms)
+
+
+def hold_for(host_ms, least_ms=1.0):
+    """A :class:`Probe` ``hold_ms`` for intervals the host enqueues in ``host_ms``
+    (their :meth:`Probe.host_times_ms`, or their largest): four times the largest, and
+    at least ``least_ms``, so that :meth:`Probe.unheld` stays 0 through the host's
+    slower calls.
+
+    Examples
+    --------
+    >>> from cpsparse.timing import hold_for
+    >>> hold_for([0.05, 0.2, 0.1]), hold_for(3.0)
+    (1.0, 12.0)
+    """
+    largest = max(host_ms) if isinstance(host_ms, (list, tuple)) else host_ms
+    return max(4.0 * float(largest), least_ms)
+
+
+def held_floor_ms(xp, hold_ms=1.0, *, warmup=3, iters=30):
+    """Median milliseconds two CUDA events read with nothing between them, recorded
+    behind a hold (:class:`Probe` ``hold_ms``): what every held interval holds besides
+    its GPU work, and what ``Probe.times_ms(floor_ms=)`` subtracts. 0.0 on NumPy.
+    """
+    if xp is numpy:
+        return 0.0
+    probe = Probe(xp, hold_ms=hold_ms)
+
+    def empty():
+        probe.start()
+        probe.stop()
+
+    return time_cuda(empty, warmup=warmup, iters=iters, probe=probe)["inner"]["median_ms"]
 
 
 # ---- ceilings -----------------------------------------------------------------------

@@ -59,3 +59,20 @@ def memo_prepared_elsewhere(memo):
 def prepared_elsewhere():
     """:func:`memo_prepared_elsewhere`, for the GPU tests of the prepared launches."""
     return memo_prepared_elsewhere
+
+
+def patch_numpy_holds(mp, holds):
+    """With ``mp`` (a MonkeyPatch): the bench's and profiles' held (GPU time) passes switched
+    on for NumPy. ``timing.Probe`` accepts ``hold_ms`` there, and a hold costs nothing but
+    is appended to ``holds``. That tests the plumbing, not the figures."""
+    from cpsparse import bench, timing
+
+    class NumpyHeldProbe(timing.Probe):
+        def __init__(self, xp=None, *, hold_ms=None):
+            import numpy
+            super().__init__(numpy if xp is None else xp)
+            self.hold_ms = hold_ms
+
+    mp.setattr(bench, "_gpu_time_pass", lambda xp: True)
+    mp.setattr(timing, "Probe", NumpyHeldProbe)
+    mp.setattr(timing, "_hold_stream", lambda xp, ms: holds.append(ms))

@@ -15,6 +15,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from conftest import patch_numpy_holds
 from cpsparse import bench
 from cpsparse import mla as mla_module
 from cpsparse.mla import DeepseekV32MLA
@@ -272,6 +273,7 @@ def test_plots_name_the_device_label_contexts_and_keep_legends_off_the_bars(tmp_
             tick_boxes=[(b.x0, b.x1) for b in (t.get_window_extent()
                                                for t in ax.get_xticklabels())],
             legend_x0=legend.get_window_extent().x0 if legend else None,
+            bars=len(ax.patches),
             axes_x1=ax.get_window_extent().x1)
         return real_save(fig, out_dir, name)
 
@@ -279,10 +281,14 @@ def test_plots_name_the_device_label_contexts_and_keep_legends_off_the_bars(tmp_
     band = [0.9, 1.1]
     results = {"backend": "cupy", "device": "NVIDIA H200", "scenarios": {
         "short_prefill": [dict(tokens=t, topk=2048, gate_off_ms=1.0, gate_off_p10_p90_ms=band,
-                               gate_on_ms=0.1, gate_on_p10_p90_ms=[0.09, 0.11])
+                               gate_on_ms=0.1, gate_on_p10_p90_ms=[0.09, 0.11],
+                               gate_off_gpu_ms=0.5, gate_off_gpu_p10_p90_ms=[0.4, 0.6],
+                               gate_on_gpu_ms=0.0, gate_on_gpu_p10_p90_ms=[0.0, 0.0])
                           for t in (256, 1024)],
-        "mtp": [dict(batch=1, context=512, path_speedup=2.1, forward_speedup=1.4),
-                dict(batch=8, context=32768, path_speedup=2.0, forward_speedup=1.3)],
+        "mtp": [dict(batch=1, context=512, path_speedup=2.1, forward_speedup=1.4,
+                     path_gpu_speedup=2.5),
+                dict(batch=8, context=32768, path_speedup=2.0, forward_speedup=1.3,
+                     path_gpu_speedup=2.4)],
         # the decode-step table's 15 rows (5 batches x 3 contexts, 128K the widest label)
         "decode_step": [dict(batch=b, context=c, projections_ms=0.1, indexer_ms=0.1,
                              topk_ms=0.1, slots_ms=0.01, attention_ms=0.2)
@@ -294,6 +300,9 @@ def test_plots_name_the_device_label_contexts_and_keep_legends_off_the_bars(tmp_
         assert "NVIDIA H200" in fig["title"], name
         assert fig["legend_x0"] is not None and fig["legend_x0"] >= fig["axes_x1"], name
     assert figures["mtp_reuse.png"]["ticks"] == ["B=1\n512", "B=8\n32K"]
+    # the GPU-time bars where the rows have them (CuPy): 4 and 3 a group
+    assert figures["short_prefill.png"]["bars"] == 4 * 2
+    assert figures["mtp_reuse.png"]["bars"] == 3 * 2
     assert figures["decode_step.png"]["ticks"][:3] == ["B=1\n512", "B=1\n32K", "B=1\n128K"]
     for name, fig in figures.items():                  # neighbouring labels never overlap
         boxes = fig["tick_boxes"]
@@ -302,3 +311,64 @@ def test_plots_name_the_device_label_contexts_and_keep_legends_off_the_bars(tmp_
     results["host"] = {"machine": "x86_64"}
     bench.plot(results, tmp_path)
     assert all("NumPy on the CPU" in f["title"] for f in figures.values())
+
+
+@pytest.fixture(scope="module")
+def held_run(tmp_path_factory):
+    """The short-prefill and MTP scenarios on NumPy with their held (GPU time) pass
+    switched on: a probe that accepts ``hold_ms`` on NumPy, a hold that costs nothing and
+    a floor of 1 us stand in for the GPU's (the plumbing, not the figures)."""
+    from cpsparse import timing
+
+    holds = []
+    with pytest.MonkeyPatch.context() as mp:
+        patch_numpy_holds(mp, holds)
+        mp.setattr(timing, "held_floor_ms", lambda xp, *a, **k: 0.001)
+        results = bench.run("numpy", ["short_prefill", "mtp"],
+                            out_dir=tmp_path_factory.mktemp("held"), progress=lambda m: None)
+    return dict(results=results, holds=holds)
+
+
+def test_held_pass_adds_gpu_time_figures(held_run):
+    s = held_run["results"]["sizes"]
+    calls, holds = s["warmup"] + s["iters"], held_run["holds"]
+    rows = held_run["results"]["scenarios"]["short_prefill"]
+    for r in rows:
+        for key in ("gate_on_gpu", "gate_off_gpu"):
+            assert r[f"{key}_p10_p90_ms"][0] <= r[f"{key}_ms"] <= r[f"{key}_p10_p90_ms"][1]
+        assert r["gpu_floor_ms"] == 0.001 and r["gpu_hold_ms"] in holds
+        assert isinstance(r["gpu_unheld"], int)
+        fired = r["skip_fired"]
+        # the counters are the timed pass's: the held pass runs the calls again
+        assert r["gate_on_skipped"] == (calls if fired else 0) and r["gate_off_skipped"] == 0
+        assert r["forwards"] == calls
+        assert (r["gpu_reduction_pct"] is not None) == fired
+        if fired:
+            assert r["gpu_reduction_pct"] == pytest.approx(
+                100 * (1 - r["gate_on_gpu_ms"] / r["gate_off_gpu_ms"]))
+    rows = held_run["results"]["scenarios"]["mtp"]
+    steps = s["mtp_steps"]
+    for r in rows:
+        assert r["path_gpu_speedup"] == pytest.approx(
+            r["path_gpu_recompute_ms"] / r["path_gpu_reuse_ms"])
+        assert r["path_gpu_recompute_ms"] > r["path_gpu_reuse_ms"] > 0
+        spread = max(r[f"path_gpu_{m}_p10_p90_ms"][1] - r[f"path_gpu_{m}_p10_p90_ms"][0]
+                     for m in ("reuse", "recompute"))
+        gap = r["path_gpu_recompute_ms"] - r["path_gpu_reuse_ms"]
+        assert r["path_gpu_effect_clear"] == (spread < gap)
+        assert r["gpu_floor_ms"] == 0.001 and r["gpu_hold_ms"] in holds
+        assert r["recompute_indexer_calls"] == steps        # counted in the timed pass
+    # a hold before every held interval: 2 sides a short-prefill row; an MTP row's reuse
+    # rounds hold each of steps 1+'s attention call, its recompute rounds each of their
+    # indexer step and attention call
+    short = held_run["results"]["scenarios"]["short_prefill"]
+    assert len(holds) == len(short) * 2 * calls + len(rows) * calls * 3 * (steps - 1)
+
+
+def test_numpy_rows_have_no_gpu_figures(spied_run):
+    saved = spied_run["saved"]
+    for r in saved["scenarios"]["short_prefill"]:
+        assert r["gate_on_gpu_ms"] is None and r["gpu_reduction_pct"] is None
+        assert r["gpu_unheld"] is None
+    for r in saved["scenarios"]["mtp"]:
+        assert r["path_gpu_speedup"] is None and r["path_gpu_reuse_p10_p90_ms"] is None

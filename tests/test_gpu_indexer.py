@@ -241,23 +241,31 @@ def _generic_paged(cp, kin, batch, next_n, heads, width, fp4):
     return plan, kin._kernel(name, kin.PAGED_ARGS, kin.smem_bytes(plan[2] * plan[1], plan[4]))
 
 
-def _paged_fixed_case(rng, heads, next_n, fp4):
+def _paged_fixed_case(rng, heads, next_n, fp4, lens=(1, 63, 64, 65, 700, 9000, 2),
+                      width=9029, missing=True):
     """Host inputs of the bit-identity tests: ragged lengths (2-D for fp8 next_n > 1), a
     missing page (-1 in the table: never read, -inf)."""
-    lens = [1, 63, 64, 65, 700, 9000, 2]
-    width = 9000 + 29
+    lens = list(lens)
     if fp4:
-        nb = len(lens) * (-(-width // 64)) + 3
+        # every page of the rows' width present when that is small (pages past a context
+        # never read), else the pages of the contexts only (-1 past them)
+        cols = -(-width // 64)
+        need = np.full(len(lens), cols) if len(lens) * cols <= 5000 else \
+            -(-np.asarray(lens, np.int64) // 64)
+        nb = int(need.sum()) + 3
         host = cpsparse.IndexerKCache(nb, 64, 128, dtype="mxfp4")
         k = rng.standard_normal((nb * 64, 128)).astype(np.float32)
         host.insert(k, np.arange(nb * 64, dtype=np.int32))
-        table = rng.permutation(nb).astype(np.int32)[:len(lens) * (nb // len(lens))]
-        table = table.reshape(len(lens), -1)
+        perm = rng.permutation(nb).astype(np.int32)
+        table = np.full((len(lens), cols), -1, np.int32)
+        for b, off in enumerate(np.cumsum(need) - need):
+            table[b, :need[b]] = perm[off:off + need[b]]
         ctx = np.asarray(lens, np.int32)
         q8, w = _queries(rng, (len(lens), next_n, heads, 128))
     else:
         host, q8, w, ctx, table = _paged_batch(rng, lens, next_n, heads, two_d=next_n > 1)
-    table[5, 3] = -1
+    if missing:
+        table[5, 3] = -1
     return host, q8, w, ctx, table, width
 
 
@@ -323,6 +331,81 @@ def test_paged_ws_few_ctas_wrap_the_rings(cp, kin, next_n, ctas, piece_tiles, fp
     assert not np.isnan(got).any(), f"ctas={ctas}: unwritten (NaN-poisoned) outputs"
     assert np.array_equal(got, want.get()), \
         f"ctas={ctas} piece_tiles={piece_tiles} fp4={fp4}: differs"
+
+
+def _skewed_lens(rng):
+    """One long context among many short ones (some empty): the batch the CTAs' shares
+    balance (cps_wsd_share); round robin pieces would leave one CTA the long row."""
+    return [20000] + list(rng.integers(0, 900, 40)) + [0, 1, 256, 257]
+
+
+def _ws_bits_of_lengths(cp, kin, rng, lens, width, next_n, fp4, ctas=None, missing=False,
+                        what=""):
+    """The warp-specialized decode kernel on a batch of these lengths against the per-page
+    kernel, bit for bit (NaN-poisoned outputs), and the per-page kernel's -inf mask
+    against the reference's."""
+    host, q8, w, ctx, table, width = _paged_fixed_case(rng, 64, next_n, fp4, lens, width,
+                                                       missing=missing)
+    dcache = cpsparse.IndexerKCache.wrap(cp.asarray(host.data), 64, 128, dtype=host.dtype)
+    dq, dw, dctx, dtable = (cp.asarray(a) for a in (q8, w, ctx, table))
+    batch = table.shape[0]
+    path, plan, fn = kin.paged_plan(batch, next_n, 64, 128, width, 64, fp4=fp4)
+    assert plan[0] == "ws" and fn.name == kin.ws_kernel_name(next_n, fp4), (plan, fn.name)
+    gplan, generic = _generic_paged(cp, kin, batch, next_n, 64, width, fp4)
+    want = cp.full((batch * next_n, width), np.nan, dtype=cp.float32)
+    kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=want,
+                         plan=(path, gplan, generic))
+    want = want.get()
+    assert not np.isnan(want).any(), "generic kernel: unwritten (NaN-poisoned) outputs"
+    expect = ref.paged_mqa_logits(q8, host.data, 64, w, ctx, table, width, host.dtype)
+    assert np.array_equal(np.isneginf(want), np.isneginf(expect))
+    out = cp.full((batch * next_n, width), np.nan, dtype=cp.float32)
+    kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=out, ctas=ctas)
+    got = out.get()
+    assert not np.isnan(got).any(), f"{what} ctas={ctas}: unwritten (NaN-poisoned) outputs"
+    assert np.array_equal(got, want), f"{what} next_n={next_n} fp4={fp4} ctas={ctas}: differs"
+
+
+@pytest.mark.parametrize("case,next_n,fp4,ctas", [
+    ("skewed", 1, False, None), ("skewed", 2, False, None), ("skewed", 1, True, None),
+    ("skewed", 2, True, 7), ("skewed", 1, False, 3), ("empty", 1, False, None),
+    ("empty", 2, True, 5), ("tiny", 2, False, None), ("tiny", 1, True, None),
+    ("long_first", 1, False, 130),
+])
+def test_paged_ws_shares_of_mixed_lengths(cp, kin, case, next_n, fp4, ctas):
+    """The warp-specialized decode CTAs split a batch by weight (every CTA's share from
+    the lengths on the device): mixed lengths with empty rows, every row empty (every item
+    only -inf: the math warpgroups see none), fewer stages than SMs (ws_grid), a share
+    ending inside a request; bit-identical to the per-page kernel, and to the reference."""
+    rng = np.random.default_rng(6000 + 10 * next_n + fp4 + len(case))
+    lens, width = {"skewed": (_skewed_lens(rng), 20000 + 77), "empty": ([0] * 9, 3000),
+                   "tiny": ([300, 5], 300),
+                   "long_first": ([65536] + [300] * 20, 65536)}[case]
+    _ws_bits_of_lengths(cp, kin, rng, lens, width, next_n, fp4, ctas, what=case)
+
+
+@pytest.mark.parametrize("case,next_n,fp4", [
+    ("full", 1, False), ("full", 2, True), ("first_empty", 1, False),
+    ("first_empty", 2, False), ("first_empty", 1, True), ("short_of_width", 2, False),
+    ("short_of_width", 1, True), ("two_a_thread_full", 1, False),
+    ("two_a_thread_full", 2, True), ("two_a_thread_mixed", 1, False),
+])
+def test_paged_ws_guessed_first_items(cp, kin, case, next_n, fp4):
+    """A batch of up to 256 requests: each CTA loads the page ids of the first item a
+    uniform full batch would give it while the lengths load, and keeps them where its
+    share starts there. Every CTA guesses right (full, with a missing page among the
+    guessed ids; two requests a producer thread past 128); CTA 0 guesses right but its
+    first item is only -inf (first_empty); it guesses right with fewer key stages than
+    guessed (short_of_width); most guess wrong (two_a_thread_mixed). Bit-identical to the
+    per-page kernel."""
+    rng = np.random.default_rng(7000 + 10 * next_n + fp4 + len(case))
+    lens, width, missing = {
+        "full": ([4099] * 7, 4099, True),
+        "first_empty": ([0] + [2048] * 6, 2048, True),
+        "short_of_width": ([2000] * 4, 2100, False),
+        "two_a_thread_full": ([700] * 200, 700, True),
+        "two_a_thread_mixed": (list(rng.integers(0, 3001, 150)), 3000, False)}[case]
+    _ws_bits_of_lengths(cp, kin, rng, lens, width, next_n, fp4, missing=missing, what=case)
 
 
 @pytest.mark.parametrize("block_size", [16, 128])

@@ -33,6 +33,7 @@ DECLARED = [
     ("quant.cu", "cps_indexer_k_gather", quant.GATHER_ARGS),
     ("quant.cu", "cps_index_to_i32", quant.INDEX_TO_I32_ARGS),
     ("quant.cu", "cps_scatter_records", quant.SCATTER_ARGS),
+    ("quant.cu", "cps_hold_ns", quant.HOLD_ARGS),
     ("topk.cu", "TK_KERNEL", topk.ARGS),
     ("topk.cu", "TK_SROW_KERNEL", topk.ARGS),
 ]
@@ -326,8 +327,9 @@ class _FakeArray:
 def test_ws_decode_launch_arguments_on_both_paths(monkeypatch):
     """The warp-specialized decode launch of the checked path (_paged_ws) and the call
     memo's prepared one (call_launch) pass the kernel the same arguments in
-    PAGED_WS_ARGS order: one CTA an SM, pieces and stages from the plan (CPU: the kernel
-    and the device faked; the prepared launch declines an operand off 16 bytes)."""
+    PAGED_WS_ARGS order: one CTA an SM (at most one a stage of the batch: ws_grid), the
+    batch and the item cap in stages from the plan (CPU: the kernel and the device faked;
+    the prepared launch declines an operand off 16 bytes)."""
     import numpy as np
     from cpsparse.raw_kernels import indexer as kin
 
@@ -346,7 +348,7 @@ def test_ws_decode_launch_arguments_on_both_paths(monkeypatch):
             self.data = Arr((40, 64 * 132), np.uint8)
 
     class Facts:
-        sms = 4                                  # fewer SMs than the 6 work items
+        sms = 3                                  # fewer SMs than the batch's 2 x 2 stages
 
     class CP:
         uint8, int32, float32 = np.dtype(np.uint8), np.dtype(np.int32), np.dtype(np.float32)
@@ -356,19 +358,19 @@ def test_ws_decode_launch_arguments_on_both_paths(monkeypatch):
             return Arr(shape, dtype, 0x9000)
 
     fn, cache = Fn(), Cache()
-    plan = ("ws", 128, 1, 64, kin.WS_STAGES, 8 * kin.WS_MATH, 3)      # pt 32 tiles, 3 pieces
+    plan = ("ws", 128, 1, 64, kin.WS_STAGES, 8 * kin.WS_MATH, 1)      # items of <= 8 stages
     monkeypatch.setattr(kin, "paged_plan", lambda *a: ("wgmma", plan, fn))
     monkeypatch.setattr(raw_kernels, "device_facts", lambda: Facts)
     monkeypatch.setattr(raw_kernels, "current_device", lambda: 0)
     q, w = Arr((2, 2, 64, 128), np.uint8), Arr((4, 64), np.float32)
     ctx, table = Arr((2, 2), np.int32), Arr((2, 9), np.int32)
     out = Arr((4, 500), np.float32)
-    assert kin._paged_ws(CP, q, cache, w, ctx, table, 500, out, fn, plan[5], plan[6]) is out
+    assert kin._paged_ws(CP, q, cache, w, ctx, table, 500, out, fn, plan[5]) is out
     dev, run = kin.call_launch(CP, q, cache, ctx, table, 500)
     got = run(q, cache.data, w, ctx, table)
     assert dev == 0 and got.shape == (4, 500) and got.data.ptr == 0x9000
-    want = ((4,), (kin.WS_THREADS,), kin.WSD_SMEM[False],
-            (q, cache.data, w, ctx, 1, table, 9, 40, out, 500, 64, 3, 8, 6))
+    want = ((3,), (kin.WS_THREADS,), kin.WSD_SMEM[False],
+            (q, cache.data, w, ctx, 1, table, 9, 40, out, 500, 64, 2, 8))
     assert launches[0] == want
     assert launches[1] == want[:3] + (want[3][:8] + (got,) + want[3][9:],)
     assert run(Arr(q.shape, np.uint8, 0x1001), cache.data, w, ctx, table) is None

@@ -4,6 +4,8 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -40,8 +42,20 @@ def test_peers_page_targets_count_every_speedup_below_the_minimum():
     assert "1.6x (call, kernel)" in by_issue[20] and "missed (1 of 2 below)" in by_issue[20]
 
 
-def test_peers_json_has_the_design_schema():
-    results = json.loads((ROOT / "benchmarks" / "results" / "peers.json").read_text())
+def test_scenarios_page_is_generated_from_the_committed_runs():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import scenario_tables
+    finally:
+        sys.path.pop(0)
+    page = (ROOT / "docs" / "performance_scenarios.md").read_text()
+    assert page == scenario_tables.page([ROOT / p for p in scenario_tables.RUNS]), \
+        "docs/performance_scenarios.md is stale: run python tools/scenario_tables.py"
+
+
+@pytest.mark.parametrize("name", ["peers.json", "peers_h100.json"])
+def test_peers_json_has_the_design_schema(name):
+    results = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
     assert {"device", "date", "rows"} <= set(results)
     for r in results["rows"]:
         assert {"workload", "peer", "cpsparse_ms", "cpsparse_kernel_ms", "peer_ms", "speedup",

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from benchmarks import profile_layer as P
+from conftest import patch_numpy_holds
 from cpsparse.bench import sizes
 
 
@@ -58,3 +59,26 @@ def test_host_profile_counts_python_calls():
         return sum(abs(v) for v in x)
     calls, text = P.host_profile(forward, [([1, -2],)], np, calls=4)
     assert calls >= 3 and "ncalls" in text
+
+
+def test_gpu_busy_spans_where_the_backend_has_a_gpu(monkeypatch):
+    """On CuPy every stage gets its held (GPU-only) time too, and the report shows it: the
+    plumbing on NumPy, with a probe that accepts hold_ms there and a hold that costs
+    nothing."""
+    holds = []
+    patch_numpy_holds(monkeypatch, holds)
+    s = sizes(np)
+    (name, forward, inputs, setup), = [c for c in P.cases(np, s, np.random.default_rng(0))
+                                       if c[0].startswith("decode B=1") and "scoring" in c[0]]
+    if setup is not None:
+        setup()
+    t = P.stage_times(np, forward, inputs, warmup=1, iters=2, floor_ms=0.0)
+    assert len(t["stages"]) == 7
+    for st in t["stages"].values():
+        assert st["gpu_ms"] >= 0 and isinstance(st["gpu_unheld"], int)
+    assert t["forward_gpu"]["iters"] == 2
+    # a hold before each held interval: every stage's calls of 2 forwards, and 2 forwards
+    assert len(holds) == 2 * sum(st["calls"] for st in t["stages"].values()) + 2
+    lines = P.report(name, t)
+    assert "GPU busy span of the forward" in lines[1]
+    assert all(" GPU " in ln for ln in lines[2:-1])

@@ -297,3 +297,140 @@ def test_time_graph_waits_for_the_callers_stream(monkeypatch):
     assert got["median_ms"] == 1.0 and got["reps"] == 2
     assert events.index("sync caller") < events.index("enter side") < events.index("call 1")
     assert events.count("call 1") == 2 and "replay" in events
+
+
+# ---- held probes (GPU time alone) ---------------------------------------------------
+
+class FakeHeldXp(FakeEventsXp):
+    """FakeEventsXp whose event records cost ``record_ms`` of the fake clock (what an
+    empty held interval reads) and log, with the probe's holds, the order of both."""
+
+    def __init__(self, clock, log, record_ms=0.0):
+        super().__init__(clock)
+        Event = self.cuda.Event
+
+        class LoggedEvent(Event):
+            def record(self):
+                log.append("record")
+                clock.spend(record_ms)
+                super().record()
+
+        self.cuda.Event = LoggedEvent
+        self.cuda.get_current_stream = lambda: types.SimpleNamespace(synchronize=lambda: None)
+
+
+@pytest.fixture
+def holds(monkeypatch):
+    log = []
+    monkeypatch.setattr(timing, "_hold_stream", lambda xp, ms: log.append(("hold", ms)))
+    return log
+
+
+def test_hold_needs_cupy_and_a_positive_time(clock):
+    with pytest.raises(ValueError, match="Invalid hold_ms: holding the stream needs the CuPy"):
+        timing.Probe(np, hold_ms=1.0)
+    xp = FakeEventsXp(clock)
+    for bad in (0, -1.0, True, "1", float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="Invalid hold_ms: expected a finite number > 0"):
+            timing.Probe(xp, hold_ms=bad)
+    assert timing.Probe(xp, hold_ms=2).hold_ms == 2
+
+
+def test_held_probe_holds_the_stream_before_each_start_event(clock, holds):
+    xp = FakeHeldXp(clock, holds)
+    probe = timing.Probe(xp, hold_ms=3.0)
+    work = probe.wrap(lambda ms: clock.spend(ms))
+    work(0.5)
+    probe.start()
+    probe.stop()
+    assert holds == [("hold", 3.0), "record", "record", ("hold", 3.0), "record", "record"]
+    unheld_probe = timing.Probe(xp)                     # no hold_ms: no hold launched
+    holds.clear()
+    unheld_probe.wrap(lambda: None)()
+    assert holds == ["record", "record"]
+    assert unheld_probe.unheld() == 0
+
+
+def test_unheld_counts_intervals_the_host_took_over_half_the_hold(clock, holds):
+    xp = FakeHeldXp(clock, holds)
+    probe = timing.Probe(xp, hold_ms=1.0)
+    work = probe.wrap(lambda ms: clock.spend(ms))
+    for ms in (0.2, 0.6, 0.4, 0.51):
+        work(ms)
+    assert probe.host_times_ms() == [pytest.approx(m) for m in (0.2, 0.6, 0.4, 0.51)]
+    assert probe.unheld() == 2
+    assert probe.unheld(last=2) == 1 and probe.unheld(last=0) == 0   # the timed ones only
+    s = probe.summary(expected=4, floor_ms=0.3)
+    assert (s["hold_ms"], s["floor_ms"], s["unheld"]) == (1.0, 0.3, 2)
+    # less the floor, never below 0
+    assert probe.times_ms(0.3) == [0.0, pytest.approx(0.3), pytest.approx(0.1),
+                                   pytest.approx(0.21)]
+    assert s["median_ms"] == pytest.approx(0.155)
+    probe.reset()
+    assert probe.host_times_ms() == [] and probe.unheld() == 0
+
+
+def test_host_times_on_numpy_equal_the_intervals(clock):
+    probe = timing.Probe(np)
+    work = probe.wrap(lambda ms: clock.spend(ms))
+    work(1.5)
+    work(0.25)
+    assert probe.host_times_ms() == probe.times_ms() == [pytest.approx(1.5),
+                                                          pytest.approx(0.25)]
+    assert "hold_ms" not in probe.summary()
+
+
+def test_held_floor_is_what_an_empty_held_interval_reads(clock, holds, monkeypatch):
+    assert timing.held_floor_ms(np) == 0.0
+    xp = FakeHeldXp(clock, holds, record_ms=0.0013)
+    monkeypatch.setattr(timing, "cupy", lambda: xp)
+    assert timing.held_floor_ms(xp, 0.5, warmup=1, iters=4) == pytest.approx(0.0013)
+    assert holds.count(("hold", 0.5)) == 5
+
+
+def test_hold_for_covers_the_slowest_host_interval():
+    assert timing.hold_for([0.1, 0.7, 0.3]) == pytest.approx(2.8)
+    assert timing.hold_for([0.01]) == 1.0
+    assert timing.hold_for(0.3, least_ms=0.5) == pytest.approx(1.2)
+
+
+@pytest.mark.gpu
+def test_held_probe_reads_gpu_time_and_no_host_time():
+    """The hold keeps the stream for its time. Behind it, host work inside an interval
+    does not show: an interval of host sleep alone reads the empty interval's floor, a
+    kernel reads the same with or without host sleep after it, two kernels with host
+    sleep between them read twice one. Without a hold the sleep shows; with a hold
+    shorter than the host's interval the leak shows and is counted unheld."""
+    import cupy as cp
+    hold = timing.time_cuda(lambda: timing._hold_stream(cp, 20.0), warmup=1, iters=3)
+    assert 19.0 < hold["median_ms"] < 30.0
+    floor = timing.held_floor_ms(cp, iters=10)
+    assert 0.0 <= floor < 0.05
+    x = cp.random.random(1 << 25, dtype=cp.float32)     # 128 MB in, 128 MB out a kernel
+    y = cp.empty_like(x)
+
+    def interval(hold_ms, kernels, sleep_s):
+        probe = timing.Probe(cp, hold_ms=hold_ms)
+
+        def call():
+            probe.start()
+            for _ in range(kernels):
+                cp.multiply(x, 2.0, out=y)
+                time.sleep(sleep_s)                     # host only, after each launch
+            if not kernels:
+                time.sleep(sleep_s)
+            probe.stop()
+        timing.time_cuda(call, warmup=1, iters=5, probe=probe)
+        return probe.summary(expected=5, floor_ms=floor if hold_ms else 0.0)
+
+    assert interval(None, 0, 0.005)["median_ms"] > 4.5          # unheld: the sleep shows
+    empty = interval(50.0, 0, 0.005)
+    assert empty["unheld"] == 0 and empty["median_ms"] < 0.02
+    one = interval(50.0, 1, 0.0)["median_ms"]
+    assert one > 0.03, "the test kernel is too small to tell anything"
+    slept = interval(50.0, 1, 0.005)
+    assert slept["unheld"] == 0 and slept["median_ms"] == pytest.approx(one, rel=0.15)
+    two = interval(50.0, 2, 0.005)
+    assert two["unheld"] == 0 and two["median_ms"] == pytest.approx(2 * one, rel=0.25)
+    short = interval(2.0, 0, 0.005)                     # 5 ms of host behind a 2 ms hold
+    assert short["unheld"] == 5 and short["median_ms"] > 2.0

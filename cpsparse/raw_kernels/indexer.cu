@@ -1171,16 +1171,22 @@ CPS_MQA_WS_KERNEL(cps_mqa_logits_ws_h64, 64)
 
 // ---- paged decode, warp-specialized (sm_90a): next_n = 1 or 2, 64 padded heads --------
 // The prefill kernel's structure (above) over the paged cache: persistent CTAs (grid <=
-// SMs) of CPS_IDX_WS_MATH math warpgroups and a producer warpgroup. Work item = (request
-// b, piece p): the NN query rows of b (NN * 64 columns; at NN = 2 the query block of a
-// prefill block of 2 tokens) against keys [p * piece_keys, +piece_keys) of its context,
-// items blockIdx.x, + gridDim.x, ... A stage is 4 pages of 64 keys (one a math warpgroup).
+// SMs) of CPS_IDX_WS_MATH math warpgroups and a producer warpgroup. A stage is 4 pages of
+// 64 keys (one a math warpgroup); a request's output row spans U = ceil(width / 256)
+// stages. Each CTA takes an equal share of the batch's work (cps_wsd_share, computed by
+// every CTA from the context lengths at its start: balanced over mixed lengths, nothing
+// to plan on the host, graph-safe), a contiguous run of request-major stage positions
+// b U + s, walked in work items = (request b, stages [s0, s1)) of at most piece_stages
+// stages, the NN query rows of b (NN * 64 columns; at NN = 2 the query block of a
+// prefill block of 2 tokens) against keys [256 s0, 256 s1) of its context.
 //   producer: the item's page ids into s_bt (bounded: an id outside [0, num_blocks) or a
-//     position past the table row is -1), the rows' windows into the Q slot's metadata,
-//     the query block and weights into the slot, then the stages: each page's 8 KB of
-//     codes (MXFP4: 4 KB) and 256 B of scales by 16- / 4-byte cp.async, and a mask of the
-//     stage's missing pages (never read; their keys score -inf); then -inf outside the
-//     visited keys of the piece.
+//     position past the table row is -1), the rows' windows and the request into the Q
+//     slot's metadata, the query block and weights into the slot, then the stages: each
+//     page's 8 KB of codes (MXFP4: 4 KB) and 256 B of scales by 16- / 4-byte cp.async,
+//     and a mask of the stage's missing pages (never read; their keys score -inf); then
+//     -inf outside the visited keys of the item. An item past every row's context is
+//     only that fill (the math warpgroups never see it). After the last item a slot
+//     whose request is -1 tells the math warpgroups to stop.
 //   math warpgroup g: page g of each stage, the products and the _h64 epilogue of the
 //     prefill kernel (bit-identical logits to cps_paged_mqa_logits_*); MXFP4 keys: the
 //     page's A fragments expanded into registers (cps_fp4_a_fragments; the slot is free
@@ -1189,12 +1195,31 @@ CPS_MQA_WS_KERNEL(cps_mqa_logits_ws_h64, 64)
 //     released after the second row's.
 // mbarriers as the prefill kernel's, KFULL counting 128 cp.async arrivals and one after the
 // missing-page mask is stored.
+// A Q slot's work item: its request (-1: no more items), the rows' window ends, the keys
+// visited [t_lo, t_hi) and their stages.
+struct CpsIdxWsdMeta {
+    int req, t_lo, t_hi, nst, hi[2];
+};
+static_assert(sizeof(CpsIdxWsdMeta) == CPS_IDX_WSD_META_BYTES,
+              "the launcher's CPS_IDX_WSD_META_BYTES is not the decode slot record");
+
 // Shared memory, from a 1024-aligned base (indexer.py's ws_decode_smem_bytes): Q slots
 // [2][128 rows][128 B] (swizzled), the ring of S stages (KB code bytes a key: fp8 keys
 // swizzled, MXFP4 keys packed, key r of a page at 64 r), key scales [S][KEYS], weights
-// [2][128], metadata [2], mbarriers QFULL[2], QEMPTY[2], KFULL[S], KEMPTY[S], the stages'
-// missing-page masks [S], a piece's page ids [BT_CAP]. With S = CPS_IDX_WS_STAGES and fp8
-// keys the prefill kernel's layout up to the mbarriers.
+// [2][128], work items [2], mbarriers QFULL[2], QEMPTY[2], KFULL[S], KEMPTY[S], the
+// stages' missing-page masks [S], an item's page ids [BT_CAP] (before the first item:
+// cps_wsd_share's scratch, 8-byte aligned), the rows' window ends of up to
+// CPS_IDX_WSD_ENDS_CAP requests [CAP][2] (cps_wsd_share).
+constexpr int CPS_IDX_WSD_ENDS_CAP = CPS_IDX_WS_THREADS;   // (indexer.py: WS_THREADS)
+// Threads of the producer warpgroup, which computes the share on named barrier 1.
+constexpr int CPS_IDX_WSD_SHARE_THREADS = CPS_IDX_WS_THREADS - CPS_IDX_WS_MATH_THREADS;
+// Requests a producer thread loads the lengths of before cps_wsd_share (a batch of up to
+// CPS_IDX_WSD_PRE x 128 requests: those loads overlap the guessed first item's page ids).
+constexpr int CPS_IDX_WSD_PRE = 2;
+static_assert(CPS_IDX_WSD_ENDS_CAP >= CPS_IDX_WSD_PRE * CPS_IDX_WSD_SHARE_THREADS,
+              "cps_wsd_share keeps the ends of a batch it preloads (no keep check there)");
+static_assert(CPS_IDX_BT_CAP <= 2 * CPS_IDX_WSD_SHARE_THREADS,
+              "a guessed item's page ids are two a producer thread (gid0, gid1)");
 template <int S, int KB>
 struct CpsWsdLayout {
     static constexpr int SLOT = CPS_IDX_WS_KEYS * KB;            // a stage's codes
@@ -1202,10 +1227,11 @@ struct CpsWsdLayout {
     static constexpr int OFF_KS = OFF_K + S * SLOT;
     static constexpr int OFF_W = OFF_KS + S * CPS_IDX_WS_KEYS * 4;
     static constexpr int OFF_META = OFF_W + 2 * 128 * 4;
-    static constexpr int OFF_BAR = OFF_META + 2 * (int)sizeof(CpsIdxWsMeta);
+    static constexpr int OFF_BAR = OFF_META + 2 * (int)sizeof(CpsIdxWsdMeta);
     static constexpr int OFF_PM = OFF_BAR + (4 + 2 * S) * 8;
     static constexpr int OFF_BT = OFF_PM + S * 4;
-    static constexpr int SMEM = 1024 + OFF_BT + CPS_IDX_BT_CAP * 4;
+    static constexpr int OFF_ENDS = OFF_BT + CPS_IDX_BT_CAP * 4;
+    static constexpr int SMEM = 1024 + OFF_ENDS + CPS_IDX_WSD_ENDS_CAP * 2 * 4;
 };
 static_assert(CpsWsdLayout<CPS_IDX_WS_STAGES, CPS_IDX_D>::SMEM == CPS_IDX_WSD_SMEM_LAUNCH
                   && CpsWsdLayout<CPS_IDX_WSD_FP4_STAGES, CPS_IDX_D / 2>::SMEM
@@ -1213,18 +1239,180 @@ static_assert(CpsWsdLayout<CPS_IDX_WS_STAGES, CPS_IDX_D>::SMEM == CPS_IDX_WSD_SM
               "the launcher's ws_decode_smem_bytes() is not the layout the kernel carves");
 static_assert(CPS_IDX_WS_KEYS == 4 * CPS_IDX_TILE && CPS_IDX_TILE == 64,
               "a decode stage is 4 pages of 64 keys");
+static_assert(CpsWsdLayout<CPS_IDX_WS_STAGES, CPS_IDX_D>::OFF_BT % 8 == 0
+                  && CpsWsdLayout<CPS_IDX_WSD_FP4_STAGES, CPS_IDX_D / 2>::OFF_BT % 8 == 0
+                  && 8 * (CPS_IDX_WSD_SHARE_THREADS / 32 + 2) <= 4 * CPS_IDX_BT_CAP,
+              "cps_wsd_share's scratch (in the page-id buffer) is 8-byte aligned and fits");
 // Its producer keeps a stage's page ids and their addresses: the register split differs
 // from the prefill kernel's (CPS_IDX_WSD_PREGS / _MREGS, #defined by the launcher).
 static_assert(128 * CPS_IDX_WSD_PREGS + CPS_IDX_WS_MATH_THREADS * CPS_IDX_WSD_MREGS
                   <= CPS_IDX_WS_THREADS * CPS_IDX_WS_LAUNCH_REGS,
               "setmaxnreg split exceeds the CTA's register pool");
 
+// The window end [0, end) of query row r of a request whose length entry for that row is
+// len (lens[b NN + r] for 2-D lengths, else lens[b]): its context clamped to the width.
+template <int NN>
+__device__ __forceinline__ int cps_wsd_end_of(int len, int lens_2d, int r, int width) {
+    const int end = lens_2d ? len : max(len - NN + r + 1, 0);
+    return min(max(end, 0), width);
+}
+
+// The length entry of row r of request b (cps_wsd_end_of).
+template <int NN>
+__device__ __forceinline__ int cps_wsd_len(const int* __restrict__ lens, int lens_2d, int b, int r) {
+    return lens[lens_2d ? b * NN + r : b];
+}
+
+// The window end [0, end) of query row r of request b: its context clamped to the width.
+template <int NN>
+__device__ __forceinline__ int cps_wsd_row_end(const int* __restrict__ lens, int lens_2d, int b,
+                                               int r, int width) {
+    return cps_wsd_end_of<NN>(cps_wsd_len<NN>(lens, lens_2d, b, r), lens_2d, r, width);
+}
+
+// The weight of request b in cps_wsd_share: U stages, those holding keys of any of its
+// rows (the first ceil(end / 256), end the longest row's window end) weighing
+// CPS_IDX_WSD_KEY_WEIGHT, the rest (only -inf to write) 1. Its key stages: nk.
+template <int NN>
+__device__ __forceinline__ long long cps_wsd_weight(const int (&ends)[NN], int U, int& nk) {
+    int len = 0;
+#pragma unroll
+    for (int r = 0; r < NN; ++r) len = max(len, ends[r]);
+    nk = (len + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
+    return (long long)U + (long long)(CPS_IDX_WSD_KEY_WEIGHT - 1) * nk;
+}
+
+// The window end of row r of request b as cps_wsd_share keeps it: from s_ends when the
+// batch fits it, else from the lengths.
+template <int NN>
+__device__ __forceinline__ int cps_wsd_kept_end(const int* __restrict__ lens, int lens_2d,
+                                                const int* s_ends, int batch, int b, int r,
+                                                int width) {
+    return batch <= CPS_IDX_WSD_ENDS_CAP ? s_ends[b * NN + r]
+                                         : cps_wsd_row_end<NN>(lens, lens_2d, b, r, width);
+}
+
+// This CTA's share of a decode batch: the stage positions [p_lo, p_hi) (request b's
+// stage s at b U + s) whose weights (cps_wsd_weight) start at or after blockIdx.x /
+// gridDim.x of the batch's total, up to the next CTA's. The CTAs' shares tile
+// [0, batch U) exactly (each the same function of the lengths), a share's weight within
+// one stage's of total / gridDim.x. Computed by the producer warpgroup alone (NT = 128
+// threads, named barrier 1) while the math warpgroups raise their registers and wait for
+// the first slot: producer thread tid sums a contiguous chunk of requests, a scan places the
+// chunks, and the thread whose chunk holds a cut finds its position. Up to
+// CPS_IDX_WSD_ENDS_CAP requests, their rows' window ends go to s_ends[b NN + r] (the cut
+// search and the producer read them there: a second round trip to global memory cost
+// ~0.7 us of a B=1 launch's 5). scratch: NT / 32 + 2 u64 of shared memory (free until
+// the first item); p_lo / p_hi land in scratch[NT / 32 + 0/1].
+template <int NN, int NT>
+__device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int lens_2d,
+                                              int batch, int width, int tid,
+                                              unsigned long long* scratch, int* s_ends,
+                                              const int (&pre)[CPS_IDX_WSD_PRE][NN]) {
+    static_assert(NT == CPS_IDX_WSD_SHARE_THREADS, "named barrier 1 is the producer warpgroup's");
+    constexpr int NW = NT / 32;
+    const int U = (width + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
+    const int chunk = (batch + NT - 1) / NT;
+    const int b0 = min(tid * chunk, batch), b1 = min(b0 + chunk, batch);
+    const int lane = tid & 31, warp = tid >> 5;
+    const bool keep = batch <= CPS_IDX_WSD_ENDS_CAP;
+    long long sum = 0;
+    int nk, ends[NN];
+    if (chunk <= CPS_IDX_WSD_PRE) {
+        // (batch <= CPS_IDX_WSD_PRE NT: the length entries of requests b0 + k, loaded by
+        // the caller before its own work)
+#pragma unroll
+        for (int k = 0; k < CPS_IDX_WSD_PRE; ++k) {
+            if (b0 + k < b1) {
+#pragma unroll
+                for (int r = 0; r < NN; ++r) {
+                    ends[r] = cps_wsd_end_of<NN>(pre[k][r], lens_2d, r, width);
+                    s_ends[(b0 + k) * NN + r] = ends[r];
+                }
+                sum += cps_wsd_weight<NN>(ends, U, nk);
+            }
+        }
+    } else {
+#pragma unroll 4
+        for (int b = b0; b < b1; ++b) {
+#pragma unroll
+            for (int r = 0; r < NN; ++r) {
+                ends[r] = cps_wsd_row_end<NN>(lens, lens_2d, b, r, width);
+                if (keep) s_ends[b * NN + r] = ends[r];
+            }
+            sum += cps_wsd_weight<NN>(ends, U, nk);
+        }
+    }
+    // Inclusive scan over the warp; with every request in warp 0 (batch <= 32) only the
+    // steps that reach lane batch - 1, which then holds the total (no barrier; the other
+    // warps' chunks are empty). (The 64-bit shuffles are on the critical path of every
+    // launch: a B = 1 batch takes none.)
+    long long incl = sum;
+    const int reach = batch <= 32 ? batch : 32;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        if (d >= reach) break;
+        const long long v = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += v;
+    }
+    long long before = 0, total;
+    if (batch <= 32) {
+        total = __shfl_sync(0xffffffffu, incl, batch - 1);
+    } else {
+        if (lane == 31) scratch[warp] = (unsigned long long)incl;
+        asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");   // (the warps' totals)
+        total = 0;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+            const long long v = (long long)scratch[w];
+            before += w < warp ? v : 0;
+            total += v;
+        }
+    }
+    const long long start = before + incl - sum;       // the weight before request b0
+    const long long c = blockIdx.x, g = gridDim.x;
+#pragma unroll
+    for (int k = 0; k < 2 && b0 < b1; ++k) {
+        // cut k: the first position whose weight before it reaches x (0 -> 0; total ->
+        // batch U, found in the last nonempty chunk). (32-bit division where it fits: the
+        // 64-bit one is a long subroutine on the critical path of every launch.)
+        const long long x = total * g <= 0xffffffffLL
+                                ? (long long)((unsigned)((c + k) * total) / (unsigned)g)
+                                : (c + k) * total / g;
+        if (x == 0) {
+            if (tid == 0) scratch[NW + k] = 0;
+        } else if (x > start && x <= start + sum) {
+            long long before_b = start;
+            for (int b = b0; b < b1; ++b) {
+                // (one request a thread: its weight and key stages are still in registers)
+                long long wb = sum;
+                if (chunk > 1) {
+#pragma unroll
+                    for (int r = 0; r < NN; ++r)
+                        ends[r] = cps_wsd_kept_end<NN>(lens, lens_2d, s_ends, batch, b, r, width);
+                    wb = cps_wsd_weight<NN>(ends, U, nk);
+                }
+                if (x <= before_b + wb) {
+                    const long long r = x - before_b;            // 1 <= r <= wb
+                    const long long kw = (long long)CPS_IDX_WSD_KEY_WEIGHT * nk;
+                    const long long s = r <= kw ? (r + CPS_IDX_WSD_KEY_WEIGHT - 1) / CPS_IDX_WSD_KEY_WEIGHT
+                                                : nk + (r - kw);
+                    scratch[NW + k] = (unsigned long long)((long long)b * U + s);
+                    break;
+                }
+                before_b += wb;
+            }
+        }
+    }
+    asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
+}
+
 template <int NN, bool FP4, int S>
 __device__ __forceinline__ void cps_paged_ws_body(
         const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w,
         const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,
-        int num_blocks, float* __restrict__ out, int width, int H, int pieces,
-        int piece_stages, int items) {
+        int num_blocks, float* __restrict__ out, int width, int H, int batch,
+        int piece_stages) {
     constexpr int HPC = 64, NC = NN * HPC;
     // A page: 64 keys' codes (fp8: 128 bytes a key; MXFP4: 64 bytes of packed e2m1), then
     // their 4-byte scales (a float32; MXFP4: 4 ue8m0 bytes, one a group of 32).
@@ -1237,13 +1425,13 @@ __device__ __forceinline__ void cps_paged_ws_body(
     const u32 sbase = cps_smem_u32(base);
     float* s_ks = reinterpret_cast<float*>(base + L::OFF_KS);
     float* s_w = reinterpret_cast<float*>(base + L::OFF_W);
-    CpsIdxWsMeta* meta = reinterpret_cast<CpsIdxWsMeta*>(base + L::OFF_META);
+    CpsIdxWsdMeta* meta = reinterpret_cast<CpsIdxWsdMeta*>(base + L::OFF_META);
     volatile int* s_pm = reinterpret_cast<volatile int*>(base + L::OFF_PM);
     int* s_bt = reinterpret_cast<int*>(base + L::OFF_BT);
+    int* s_ends = reinterpret_cast<int*>(base + L::OFF_ENDS);
     const u32 bar = sbase + L::OFF_BAR;
     const u32 kfull = bar + 32, kempty = bar + 32 + 8 * S;
     const int tid = threadIdx.x, lane = tid & 31;
-    const int piece_keys = piece_stages * CPS_IDX_WS_KEYS;
     if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 1);
     __syncthreads();
 
@@ -1251,6 +1439,45 @@ __device__ __forceinline__ void cps_paged_ws_body(
         // ---- producer warpgroup ----
         cps_setmaxnreg_dec<CPS_IDX_WSD_PREGS>();
         const int ptid = tid - CPS_IDX_WS_MATH_THREADS;
+        unsigned long long* share = reinterpret_cast<unsigned long long*>(s_bt);
+        const int U = (width + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
+        // A batch of up to 256 requests: thread ptid loads its requests' lengths for
+        // cps_wsd_share, and while they travel, the page ids of the first item this CTA
+        // would take if every row's window were the whole width (a uniform full batch:
+        // share position ceil(floor(c T / G) / 16), T = 16 U batch) are loaded as well. The
+        // share then only checks its first item against that guess: the two loads overlap
+        // where they were two round trips in a row.
+        const bool small = batch <= CPS_IDX_WSD_PRE * CPS_IDX_WSD_SHARE_THREADS;
+        const bool guess = small && batch > 0 && U > 0
+                           && (unsigned long long)batch * U * CPS_IDX_WSD_KEY_WEIGHT * gridDim.x
+                                  <= 0xffffffffull;
+        // (cps_wsd_share's chunk of requests a thread)
+        const int chunk = (batch + CPS_IDX_WSD_SHARE_THREADS - 1) / CPS_IDX_WSD_SHARE_THREADS;
+        const int pb0 = min(ptid * chunk, batch), pb1 = min(pb0 + chunk, batch);
+        int pre[CPS_IDX_WSD_PRE][NN];
+#pragma unroll
+        for (int k = 0; k < CPS_IDX_WSD_PRE; ++k) {
+#pragma unroll
+            for (int r = 0; r < NN; ++r)
+                pre[k][r] = small && pb0 + k < pb1 ? cps_wsd_len<NN>(lens, lens_2d, pb0 + k, r) : 0;
+        }
+        int gpos = -1, gid0 = -1, gid1 = -1;
+        if (guess) {
+            const unsigned T = (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT;
+            const unsigned x = blockIdx.x * T / gridDim.x;
+            gpos = (int)((x + CPS_IDX_WSD_KEY_WEIGHT - 1) / CPS_IDX_WSD_KEY_WEIGHT);
+            const int gb = (int)((unsigned)gpos / (unsigned)U), gs0 = gpos - gb * U;
+            if (gb < batch) {
+                const int* bt_row = bt + (long long)gb * bt_cols;
+                const int n4 = 4 * (min(U, gs0 + piece_stages) - gs0), p0 = 4 * gs0;
+                if (ptid < n4 && p0 + ptid < bt_cols) gid0 = bt_row[p0 + ptid];
+                if (ptid + 128 < n4 && p0 + ptid + 128 < bt_cols) gid1 = bt_row[p0 + ptid + 128];
+            } else {
+                gpos = -1;
+            }
+        }
+        cps_wsd_share<NN, CPS_IDX_WSD_SHARE_THREADS>(lens, lens_2d, batch, width, ptid, share,
+                                                     s_ends, pre);
         // Thread ptid moves bytes [16 ptid, +16) of each 2 KB of a stage's codes (fp8: key
         // row 16 k + rr of a page, chunk ptid % 8). Its source offsets inside a page are
         // fixed: a page's copies are one multiply-add off a per-thread base (a missing
@@ -1259,21 +1486,32 @@ __device__ __forceinline__ void cps_paged_ws_body(
         const u32 dst_off = FP4 ? ptid * 16 : rr * CPS_IDX_D + (((ptid & 7) ^ (rr & 7)) << 4);
         const u8* const code_src = cache + (FP4 ? ptid * 16 : rr * CPS_IDX_D + (ptid & 7) * 16);
         const u8* const scale_src = cache + CPS_IDX_TILE * KB + (ptid & 63) * 4;
+        int pos = (int)share[CPS_IDX_WSD_SHARE_THREADS / 32];   // this CTA's share
+        const int p_end = (int)share[CPS_IDX_WSD_SHARE_THREADS / 32 + 1];
+        // The guess hit (the same first item: its request and stage): its page ids go to
+        // s_bt once every producer thread has read its share there; the first item then
+        // skips its page-id loads. (Entries past the item's pages are never read.)
+        // (The same in every producer thread: gpos is a function of the launch alone, pos
+        // and p_end were read from shared memory after the share's last barrier.)
+        bool ids_ready = gpos == pos && pos < p_end;
+        if (ids_ready) {
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            s_bt[ptid] = (u32)gid0 < (u32)num_blocks ? gid0 : -1;
+            s_bt[ptid + 128] = (u32)gid1 < (u32)num_blocks ? gid1 : -1;
+        }
         unsigned kv = 0;
-        for (int it = 0;; ++it) {
-            const int item = (int)blockIdx.x + it * (int)gridDim.x;
-            if (item >= items) break;
-            const int b = item / pieces;
-            const int own_lo = (item - b * pieces) * piece_keys;
-            const int own_hi = min(own_lo + piece_keys, width);
+        int it = 0;                                     // items handed to the math warpgroups
+        while (pos < p_end) {
+            const int b = pos / U, s0 = pos - b * U;
+            const int s1 = min(min(U, s0 + piece_stages), p_end - b * U);
+            pos += s1 - s0;
+            const int own_lo = s0 * CPS_IDX_WS_KEYS;
+            const int own_hi = min(s1 * CPS_IDX_WS_KEYS, width);
             const long long row0 = (long long)b * NN;
-            const int qs = it & 1;
-            // Windows [0, end) of the rows, clamped to the width.
+            // Windows [0, end) of the rows, clamped to the width (kept by cps_wsd_share
+            // for up to CPS_IDX_WSD_ENDS_CAP requests).
             int end = 0;
-            if (lane < NN) {
-                end = lens_2d ? lens[b * NN + lane] : max(lens[b] - NN + lane + 1, 0);
-                end = min(max(end, 0), width);
-            }
+            if (lane < NN) end = cps_wsd_kept_end<NN>(lens, lens_2d, s_ends, batch, b, lane, width);
             const int hi = min(__reduce_max_sync(0xffffffffu, end), own_hi);
             int t_hi = own_lo, nst = 0;
             if (hi > own_lo) {
@@ -1281,28 +1519,36 @@ __device__ __forceinline__ void cps_paged_ws_body(
                            own_hi);
                 nst = (t_hi - own_lo + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
             }
-            // The piece's page ids (the previous item's are no longer read).
-            asm volatile("bar.sync 1, 128;\n" ::: "memory");
-            const int* bt_row = bt + (long long)b * bt_cols;
-            const int p0 = own_lo / CPS_IDX_TILE;
-            for (int i = ptid; i < nst * 4; i += 128) {
-                const int p = p0 + i;
-                const int pg = p < bt_cols ? bt_row[p] : -1;
-                s_bt[i] = (u32)pg < (u32)num_blocks ? pg : -1;
+            if (nst == 0) {                             // past every row's context: -inf
+                ids_ready = false;                      // (the next item is another)
+                for (int r = 0; r < NN; ++r)
+                    cps_fill_neg_inf<128>(out + (row0 + r) * (long long)width, own_lo, own_hi, ptid);
+                continue;
             }
+            const int qs = it & 1;
+            // The item's page ids (the previous item's are no longer read), unless the
+            // guess stored them already.
+            if (!ids_ready) {
+                asm volatile("bar.sync 1, 128;\n" ::: "memory");
+                const int* bt_row = bt + (long long)b * bt_cols;
+                const int p0 = own_lo / CPS_IDX_TILE;
+                for (int i = ptid; i < nst * 4; i += 128) {
+                    const int p = p0 + i;
+                    const int pg = p < bt_cols ? bt_row[p] : -1;
+                    s_bt[i] = (u32)pg < (u32)num_blocks ? pg : -1;
+                }
+            }
+            ids_ready = false;
             asm volatile("bar.sync 1, 128;\n" ::: "memory");
             cps_mbar_wait(bar + 16 + 8 * qs, ((it >> 1) & 1) ^ 1);
             if (ptid < 32) {
-                CpsIdxWsMeta& m = meta[qs];
-                if (lane < CPS_IDX_WS_ROWS) {
-                    m.lo[lane] = 0;
-                    m.hi[lane] = lane < NN ? end : 0;
-                }
+                CpsIdxWsdMeta& m = meta[qs];
+                if (lane < NN) m.hi[lane] = end;
                 if (lane == 0) {
+                    m.req = b;
                     m.t_lo = own_lo;
                     m.t_hi = t_hi;
                     m.nst = nst;
-                    m.nrows = NN;
                 }
             }
             // Query block: column n = row * 64 + head (zero past H). (Not unrolled: its
@@ -1374,12 +1620,19 @@ __device__ __forceinline__ void cps_paged_ws_body(
                     cps_mbar_arrive(kfull + 8 * st);
                 }
             }
-            // -inf outside the visited keys of the piece (the math warpgroups write the rest).
+            // -inf outside the visited keys of the item (the math warpgroups write the rest).
             for (int r = 0; r < NN; ++r) {
                 float* row = out + (row0 + r) * (long long)width;
                 cps_fill_neg_inf<128>(row, t_hi, own_hi, ptid);
             }
+            ++it;
         }
+        // No more items: a slot whose request is -1 (its QFULL arrivals as an item's).
+        const int qs = it & 1;
+        cps_mbar_wait(bar + 16 + 8 * qs, ((it >> 1) & 1) ^ 1);
+        if (ptid == 0) meta[qs].req = -1;
+        cps_mbar_arrive_cp_async(bar + 8 * qs);
+        if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);
         cps_cp_async_wait_all();
         return;
     }
@@ -1400,17 +1653,16 @@ __device__ __forceinline__ void cps_paged_ws_body(
     const u64 da0 = cps_wgmma_desc(sbase + L::OFF_K + wg * (CPS_IDX_TILE * CPS_IDX_D), 0, 1024);
     const u64 db0 = cps_wgmma_desc(sbase, 0, 1024);
     for (int it = 0;; ++it) {
-        const int item = (int)blockIdx.x + it * (int)gridDim.x;
-        if (item >= items) break;
-        const int b = item / pieces;
-        const long long row0 = (long long)b * NN;
         const int qs = it & 1;
         cps_mbar_wait(bar + 8 * qs, (it >> 1) & 1);
+        const CpsIdxWsdMeta& m = meta[qs];
+        const int b = m.req;
+        if (b < 0) break;                               // the producer has no more items
+        const long long row0 = (long long)b * NN;
         // MXFP4: the query block is the only operand wgmma reads from shared memory, so
         // one fence an item moves its cp.async bytes to the async proxy (fp8: every page,
         // in cps_idx_ws_products).
         if constexpr (FP4) cps_fence_proxy_async();
-        const CpsIdxWsMeta& m = meta[qs];
         const int t_lo = m.t_lo, t_hi = m.t_hi, nst = m.nst;
         const float* wq = s_w + qs * 128 + 2 * t;
         // The thread's 16 head weights a query row in registers for the whole item.
@@ -1497,11 +1749,11 @@ __device__ __forceinline__ void cps_paged_ws_body(
     extern "C" __global__ void __launch_bounds__(CPS_IDX_WS_THREADS, 1)                       \
     NAME(const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w, \
          const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,  \
-         int num_blocks, float* __restrict__ out, int width, int H, int pieces,               \
-         int piece_stages, int items) {                                                       \
+         int num_blocks, float* __restrict__ out, int width, int H, int batch,                \
+         int piece_stages) {                                                                  \
         CPS_PDL_ENTRY();                                                                      \
         cps_paged_ws_body<NN, FP4, S>(q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks,    \
-                                      out, width, H, pieces, piece_stages, items);            \
+                                      out, width, H, batch, piece_stages);                    \
     }
 CPS_PAGED_WS_KERNEL(cps_paged_mqa_logits_ws_h64n1, 1, false, CPS_IDX_WS_STAGES)
 CPS_PAGED_WS_KERNEL(cps_paged_mqa_logits_ws_h64n2, 2, false, CPS_IDX_WS_STAGES)

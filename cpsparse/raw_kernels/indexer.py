@@ -41,6 +41,10 @@ WS_PRODUCER_REGS = 32    # setmaxnreg split of its 640 x 96 launch registers (CP
 WS_MATH_REGS = 112       #                                                    (CPS_IDX_WS_MREGS)
 WSD_PRODUCER_REGS = 56   # ... of the warp-specialized decode CTA (CPS_IDX_WSD_PREGS): its
 WSD_MATH_REGS = 104      # producer holds a stage's page ids and addresses (CPS_IDX_WSD_MREGS)
+WSD_META_BYTES = 24      # a Q slot's work item in the ws decode CTA (CPS_IDX_WSD_META_BYTES)
+WSD_KEY_WEIGHT = 16      # a stage with keys against one of only -inf to write, when the ws
+                         # decode CTAs share a batch (CPS_IDX_WSD_KEY_WEIGHT): 33 KB of fp8
+                         # keys read (MXFP4: 17 KB) against 1 KB a row written
 MAX_QROWS = 512          # next_n * hp columns per decode CTA
 N128M_CTAS_PER_SM = 5    # launch bounds of the 128-column decode kernels (CPS_IDX_N128M_MINB)
 N128M_CTAS_PER_SM_FP4 = 4   # ... with MXFP4 keys (CPS_IDX_N128M_FP4_MINB)
@@ -70,15 +74,16 @@ def ws_smem_bytes(stages=WS_STAGES, math=WS_MATH):
 
 def ws_decode_smem_bytes(fp4=False, stages=None, math=WS_MATH):
     """Dynamic shared memory of the warp-specialized decode CTA (indexer.cu's
-    CpsWsdLayout): the prefill CTA's with ``stages`` stages of fp8 or MXFP4 codes (default
-    WS_STAGES or WSD_FP4_STAGES), a missing-page mask a stage and the page ids of a
-    piece."""
+    CpsWsdLayout): the 1024-byte alignment slack, 2 query slots, ``stages`` stages of fp8
+    or MXFP4 codes (default WS_STAGES or WSD_FP4_STAGES) and their scales, 2 weight
+    slots, 2 work items, 4 + 2 * stages mbarriers, a missing-page mask a stage, the
+    page ids of an item and the rows' window ends of up to WS_THREADS requests."""
     if stages is None:
         stages = WSD_FP4_STAGES if fp4 else WS_STAGES
     keys = TILE * math
-    codes = stages * keys * (D // 2 if fp4 else D)
-    return (ws_smem_bytes(stages, math) - stages * keys * D + codes + 4 * stages
-            + 4 * BT_CAP)
+    return (1024 + 2 * 128 * D + stages * keys * ((D // 2 if fp4 else D) + 4) + 2 * 128 * 4
+            + 2 * WSD_META_BYTES + (4 + 2 * stages) * 8 + 4 * stages + 4 * BT_CAP
+            + 4 * 2 * WS_THREADS)
 
 
 # The ws decode kernels' launch shared memory by key format (fp4: MXFP4), their rings at
@@ -101,6 +106,8 @@ raw_kernels.register_module(
                  CPS_IDX_WSD_FP4_STAGES=WSD_FP4_STAGES,
                  CPS_IDX_WSD_FP4_SMEM_LAUNCH=WSD_SMEM[True],
                  CPS_IDX_WSD_PREGS=WSD_PRODUCER_REGS, CPS_IDX_WSD_MREGS=WSD_MATH_REGS,
+                 CPS_IDX_WSD_META_BYTES=WSD_META_BYTES,
+                 CPS_IDX_WSD_KEY_WEIGHT=WSD_KEY_WEIGHT,
                  CPS_IDX_N128M_MINB=N128M_CTAS_PER_SM,
                  CPS_IDX_N128M_FP4_MINB=N128M_CTAS_PER_SM_FP4,
                  CPS_IDX_N128M_H64_MINB=N128M_H64_CTAS_PER_SM,
@@ -113,8 +120,8 @@ MQA_ARGS = "PPPPPPP iiiii"
 # next_n, H, hp, nch, bs_shift, piece_tiles
 PAGED_ARGS = "PPPP i P ii P iiiiiii"
 # cps_paged_mqa_logits_[fp4_]ws_h64n*: q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out,
-# width, H, pieces, piece_stages, items
-PAGED_WS_ARGS = "PPPP i P ii P iiiii"
+# width, H, batch, piece_stages
+PAGED_WS_ARGS = "PPPP i P ii P iiii"
 
 PATHS = ("wgmma", "mma")
 # "wgmma" or "mma"; CPSPARSE_INDEXER_PATH overrides (wgmma needs compute capability 9.0).
@@ -317,22 +324,23 @@ def ws_decode_plan(batch, width, sms, fp4=False):
     plan tuple of :func:`decode_plan` with variant ``"ws"``, its stages the kernel's ring
     depth (``fp4``: MXFP4 keys, a deeper ring of half-size stages).
 
-    Each request is cut into pieces of equal whole stages (4 pages), the persistent CTAs
-    (one an SM) take pieces round robin; the piece length minimizes the busiest CTA's
-    stages plus one stage a piece (its query block and page ids), at most ``BT_CAP`` pages.
+    The persistent CTAs (one an SM, at most one a stage of the batch: :func:`ws_grid`)
+    share the batch's stages (4 pages) at run time, from the context lengths on the device
+    (indexer.cu's ``cps_wsd_share``: equal shares of work whatever the lengths, a stage
+    with keys weighing ``WSD_KEY_WEIGHT`` times one past every row's context), so the plan
+    depends on the shapes alone. A CTA walks its share in items of one request, at most
+    ``BT_CAP`` pages each (piece_tiles; ``pieces``: a row's width in such items, the
+    plan tuple's last field, unused by the launch).
     """
     stages_w = -(-int(width) // (TILE * WS_MATH))
-    best: tuple[int, int, int] | None = None
-    for p in range(-(-stages_w // (BT_CAP // WS_MATH)), stages_w + 1):
-        ps = -(-stages_w // p)
-        pieces = -(-stages_w // ps)
-        items = batch * pieces
-        cost = -(-items // min(items, sms)) * (ps + 1)
-        if best is None or cost < best[0]:
-            best = (cost, ps, pieces)
-    assert best is not None          # width >= 1: the range holds stages_w at least
-    return ("ws", 128, 1, 64, WSD_FP4_STAGES if fp4 else WS_STAGES, WS_MATH * best[1],
-            best[2])
+    return ("ws", 128, 1, 64, WSD_FP4_STAGES if fp4 else WS_STAGES, BT_CAP,
+            -(-stages_w // (BT_CAP // WS_MATH)))
+
+
+def ws_grid(batch, width, sms):
+    """CTAs of a warp-specialized decode launch: one an SM, at most one a stage (4 pages of
+    the output row) of the batch, at least 1."""
+    return max(1, min(int(sms), int(batch) * -(-int(width) // (TILE * WS_MATH))))
 
 
 # next_n with a warp-specialized decode kernel (indexer.cu's
@@ -413,7 +421,7 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
     variant, nc, nch, hp, stages, pt, pieces = plan
     if variant == "ws":
         return _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out,
-                         fn, pt, pieces, piece_tiles, ctas)
+                         fn, pt, piece_tiles, ctas)
     if piece_tiles is not None:
         pt = max(1, min(int(piece_tiles), (BT_CAP - 1) * cache.block_size // TILE))
         tiles_w = -(-width // TILE)
@@ -440,14 +448,13 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
     return out
 
 
-def _ws_launch(cp, fn, batch, next_n, heads, width, fp4, pieces, piece_stages, lens_2d,
-               cols, num_blocks, ctas=None):
+def _ws_launch(cp, fn, batch, next_n, heads, width, fp4, piece_stages, lens_2d, cols,
+               num_blocks, ctas=None):
     """``launch(q_codes, cache_data, weights, context_lens, block_table, out=None) -> out``:
     the warp-specialized decode kernel ``fn`` (:func:`ws_decode_plan`) with every argument
-    that follows from the shapes fixed (int32 index arrays; ``out`` None: allocated). One
-    CTA an SM, or ``ctas``."""
-    items = batch * pieces
-    grid = min(items, raw_kernels.device_facts().sms if ctas is None else int(ctas))
+    that follows from the shapes fixed (int32 index arrays; ``out`` None: allocated), items
+    of at most ``piece_stages`` stages. :func:`ws_grid` CTAs, or ``ctas``."""
+    grid = ws_grid(batch, width, raw_kernels.device_facts().sms) if ctas is None else int(ctas)
     launch = fn.launcher((grid,), (WS_THREADS,), WSD_SMEM[fp4])
     shape = (batch * next_n, width)
 
@@ -455,7 +462,7 @@ def _ws_launch(cp, fn, batch, next_n, heads, width, fp4, pieces, piece_stages, l
         if out is None:
             out = raw_kernels.empty(cp, shape, cp.float32)
         launch((q_codes, cache_data, weights, context_lens, lens_2d, block_table, cols,
-                num_blocks, out, width, heads, pieces, piece_stages, items))
+                num_blocks, out, width, heads, batch, piece_stages))
         return out
     return run
 
@@ -480,7 +487,7 @@ def call_launch(cp, q_codes, cache, context_lens, block_table, width):
     _, plan, fn = paged_plan(batch, next_n, heads, dim, width, cache.block_size, None, fp4)
     if plan is None or plan[0] != "ws":
         return None
-    launch = _ws_launch(cp, fn, batch, next_n, heads, width, fp4, plan[6], plan[5] // WS_MATH,
+    launch = _ws_launch(cp, fn, batch, next_n, heads, width, fp4, plan[5] // WS_MATH,
                         int(context_lens.ndim == 2), block_table.shape[1], cache.num_blocks)
 
     def run(q_codes, cache_data, weights, context_lens, block_table):
@@ -491,19 +498,18 @@ def call_launch(cp, q_codes, cache, context_lens, block_table, width):
 
 
 def _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out, fn, pt,
-              pieces, piece_tiles=None, ctas=None):
-    """The warp-specialized decode launch (plan of :func:`ws_decode_plan`)."""
+              piece_tiles=None, ctas=None):
+    """The warp-specialized decode launch (plan of :func:`ws_decode_plan`: items of ``pt``
+    tiles at most, or ``piece_tiles``)."""
     if ctas is not None and int(ctas) < 1:
         raise ValueError(f"Invalid ctas: expected a positive CTA count, got {ctas}")
     batch, next_n, heads = q_codes.shape[:3]
     piece_stages = pt // WS_MATH
     if piece_tiles is not None:
         piece_stages = max(1, min(-(-int(piece_tiles) // WS_MATH), BT_CAP // WS_MATH))
-        stages_w = -(-width // (TILE * WS_MATH))
-        pieces = -(-stages_w // piece_stages)
     context_lens = index_i32(cp, context_lens)
     block_table = index_i32(cp, block_table)
-    launch = _ws_launch(cp, fn, batch, next_n, heads, width, cache.dtype == "mxfp4", pieces,
+    launch = _ws_launch(cp, fn, batch, next_n, heads, width, cache.dtype == "mxfp4",
                         piece_stages, int(context_lens.ndim == 2), block_table.shape[1],
                         cache.num_blocks, ctas)
     return launch(q_codes, cache.data, weights, context_lens, block_table, out)

@@ -153,3 +153,18 @@ extern "C" __global__ void cps_scatter_records(const u8* __restrict__ records,
     u32* dst = reinterpret_cast<u32*>(data + slot * record_bytes);
     for (int w = lane; w < record_bytes / 4; w += 32) dst[w] = src[w];
 }
+
+// Keeps the stream busy for ns nanoseconds of the GPU's global timer (one thread,
+// one CTA; nothing read or written). cpsparse.timing.Probe(hold_ms=) enqueues it in
+// front of an interval's first event: the host then enqueues the whole interval while
+// the GPU is still behind it, and the interval's two events bound the GPU work between
+// them with no host time in between. __nanosleep leaves the SM's issue slots to the
+// kernels still running beside it.
+extern "C" __global__ void cps_hold_ns(long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while ((long long)(t - t0) < ns);
+}

@@ -1,5 +1,6 @@
 """FP8 quantization and indexer key cache kernels (insert, gather), launchers of
-``quant.cu`` beside this file; also the int64 -> int32 index conversion."""
+``quant.cu`` beside this file; also the int64 -> int32 index conversion and the
+timing module's stream hold."""
 
 from cpsparse import raw_kernels
 from cpsparse.raw_kernels import WARPS_PER_BLOCK, blocks_for, index_i32
@@ -20,6 +21,7 @@ INSERT_ARGS = "PPP q q i i f i"     # k, slots, cache, num_slots, n, D, block, e
 GATHER_ARGS = "P i P i PPPP q i i"  # cache, nb, table, cols, cu, req, codes, scales, n, D, bs
 SCATTER_ARGS = "PPP q q i"          # records, slots, data, num_slots, n, record_bytes
 INDEX_TO_I32_ARGS = "PP q"          # src, dst, n
+HOLD_ARGS = "q"                     # ns
 
 
 def supports_group(size):
@@ -77,3 +79,10 @@ def scatter_records(cp, data, records, slot_mapping):
     fn((blocks_for(n, WARPS_PER_BLOCK),), (32 * WARPS_PER_BLOCK,),
        (cp.ascontiguousarray(records), index_i32(cp, slot_mapping), data, num_slots, n,
         records.shape[1]))
+
+
+def hold_stream(cp, ms):
+    """Keep the current stream busy for ``ms`` milliseconds of GPU time (one thread
+    sleeping on the GPU's global timer): what is enqueued next waits behind it."""
+    fn = raw_kernels.kernel("quant", "cps_hold_ns", HOLD_ARGS)
+    fn((1,), (1,), (int(ms * 1e6),))
