@@ -313,24 +313,8 @@ def test_paged_ws_few_ctas_wrap_the_rings(cp, kin, next_n, ctas, piece_tiles, fp
     each runs many pieces, so its query slots and key ring wrap many times (mbarrier
     phases), pieces past a context only write -inf; bit-identical to the per-page kernel."""
     rng = np.random.default_rng(5000 + 10 * next_n + ctas + 100 * fp4)
-    host, q8, w, ctx, table, width = _paged_fixed_case(rng, 64, next_n, fp4)
-    dcache = cpsparse.IndexerKCache.wrap(cp.asarray(host.data), 64, 128, dtype=host.dtype)
-    dq, dw, dctx, dtable = (cp.asarray(a) for a in (q8, w, ctx, table))
-    batch = table.shape[0]
-    path, plan, fn = kin.paged_plan(batch, next_n, 64, 128, width, 64, fp4=fp4)
-    assert plan[0] == "ws" and fn.name == kin.ws_kernel_name(next_n, fp4), (plan, fn.name)
-    gplan, generic = _generic_paged(cp, kin, batch, next_n, 64, width, fp4)
-    want = cp.full((batch * next_n, width), np.nan, dtype=cp.float32)
-    kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=want,
-                         plan=(path, gplan, generic))
-    assert not np.isnan(want.get()).any(), "generic kernel: unwritten (NaN-poisoned) outputs"
-    out = cp.full((batch * next_n, width), np.nan, dtype=cp.float32)
-    kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=out,
-                         piece_tiles=piece_tiles, ctas=ctas)
-    got = out.get()
-    assert not np.isnan(got).any(), f"ctas={ctas}: unwritten (NaN-poisoned) outputs"
-    assert np.array_equal(got, want.get()), \
-        f"ctas={ctas} piece_tiles={piece_tiles} fp4={fp4}: differs"
+    _ws_bits_of_lengths(cp, kin, rng, None, None, next_n, fp4, ctas, missing=True,
+                        piece_tiles=piece_tiles, what=f"piece_tiles={piece_tiles}")
 
 
 def _skewed_lens(rng):
@@ -340,12 +324,13 @@ def _skewed_lens(rng):
 
 
 def _ws_bits_of_lengths(cp, kin, rng, lens, width, next_n, fp4, ctas=None, missing=False,
-                        what=""):
-    """The warp-specialized decode kernel on a batch of these lengths against the per-page
-    kernel, bit for bit (NaN-poisoned outputs), and the per-page kernel's -inf mask
-    against the reference's."""
-    host, q8, w, ctx, table, width = _paged_fixed_case(rng, 64, next_n, fp4, lens, width,
-                                                       missing=missing)
+                        piece_tiles=None, what=""):
+    """The warp-specialized decode kernel on a batch of these lengths (None:
+    _paged_fixed_case's) against the per-page kernel, bit for bit (NaN-poisoned
+    outputs), and the per-page kernel's -inf mask against the reference's."""
+    shape = {} if lens is None else dict(lens=lens, width=width)
+    host, q8, w, ctx, table, width = _paged_fixed_case(rng, 64, next_n, fp4, missing=missing,
+                                                       **shape)
     dcache = cpsparse.IndexerKCache.wrap(cp.asarray(host.data), 64, 128, dtype=host.dtype)
     dq, dw, dctx, dtable = (cp.asarray(a) for a in (q8, w, ctx, table))
     batch = table.shape[0]
@@ -360,7 +345,8 @@ def _ws_bits_of_lengths(cp, kin, rng, lens, width, next_n, fp4, ctas=None, missi
     expect = ref.paged_mqa_logits(q8, host.data, 64, w, ctx, table, width, host.dtype)
     assert np.array_equal(np.isneginf(want), np.isneginf(expect))
     out = cp.full((batch * next_n, width), np.nan, dtype=cp.float32)
-    kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=out, ctas=ctas)
+    kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=out,
+                         piece_tiles=piece_tiles, ctas=ctas)
     got = out.get()
     assert not np.isnan(got).any(), f"{what} ctas={ctas}: unwritten (NaN-poisoned) outputs"
     assert np.array_equal(got, want), f"{what} next_n={next_n} fp4={fp4} ctas={ctas}: differs"
