@@ -394,6 +394,35 @@ def test_paged_ws_guessed_first_items(cp, kin, case, next_n, fp4):
     _ws_bits_of_lengths(cp, kin, rng, lens, width, next_n, fp4, missing=missing, what=case)
 
 
+@pytest.mark.parametrize("case,next_n,fp4,ctas", [
+    ("last_stage", 1, False, None), ("last_stage", 2, True, None), ("last_stage", 1, True, 5),
+    ("one_past_edge", 2, True, None), ("one_past_edge", 2, True, 3),
+    ("one_past_edge", 2, False, None),
+    ("more_ctas_than_stages", 1, False, 7), ("more_ctas_than_stages", 2, True, 9),
+    ("full_one_cta", 2, False, 1), ("one_short", 1, False, None), ("one_short", 2, True, 4),
+    ("past_guess", 1, False, None),
+])
+def test_paged_ws_full_batches_cut_from_the_launch(cp, kin, case, next_n, fp4, ctas):
+    """Every request holding keys in all of its U stages (cps_wsd_share's one-barrier
+    check): the CTAs' shares come from the launch alone, ceil(floor(c T / G) / 16). Ends
+    anywhere in the last stage (last_stage; at next_n 2 only the second row reaching it:
+    one_past_edge), more CTAs than stages (some shares empty, their guess past the batch),
+    one CTA; a batch one request short of full takes the share's scan (one_short) and so
+    does one past the guess's 256 requests (past_guess). (fp8 keys at next_n 2 have 2-D
+    lengths, each row 0-2 short of its request's: one_past_edge there mixes full requests
+    with ones that are not.) Bit-identical to the per-page kernel."""
+    rng = np.random.default_rng(8000 + 10 * next_n + fp4 + len(case) + (ctas or 0))
+    lens, width, missing = {
+        "last_stage": (list(rng.integers(4099, 4201, 9)), 4200, True),
+        "one_past_edge": ([2 * 256 + 1] * 6, 3 * 256, True),
+        "more_ctas_than_stages": ([300] * 2, 300, False),
+        "full_one_cta": ([1000] * 6, 1000, True),
+        "one_short": ([4099] * 6 + [100], 4099, True),
+        "past_guess": ([520] * 300, 520, True)}[case]
+    _ws_bits_of_lengths(cp, kin, rng, lens, width, next_n, fp4, ctas, missing=missing,
+                        what=case)
+
+
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_paged_other_block_sizes(cp, kin, block_size):
     rng = np.random.default_rng(block_size)

@@ -513,6 +513,28 @@ def test_ws_decode_shares_tile_the_batch_by_weight(row_lens, width, ctas):
         assert weights[mine].sum() < total / ctas + key, c
 
 
+@pytest.mark.parametrize("row_lens,width,ctas", [
+    ([4096] * 64, 4096, 132), ([4097, 4200, 4150], 4200, 132), ([513] * 6, 768, 5),
+    ([300] * 2, 300, 7), ([32768], 32768, 132), ([131072] * 4, 131072, 132),
+    ([1000] * 200, 1000, 1),
+])
+def test_ws_decode_full_batch_cuts_come_from_the_launch(row_lens, width, ctas):
+    """When every request holds keys in all of its U stages, cps_wsd_share returns
+    after one barrier and the producer takes the cuts ceil(floor(c T / G) / KEY_WEIGHT),
+    T = KEY_WEIGHT U batch, in 32-bit arithmetic (the guess's bounds): the same cuts as
+    the scan and search it skips (benchmarks.model_wsd_shares), ends anywhere in the last
+    stage, more CTAs than stages included (pure: no device)."""
+    from benchmarks import model_wsd_shares
+    from cpsparse.raw_kernels import indexer as kin
+    key = kin.WSD_KEY_WEIGHT
+    stages_w = -(-width // 256)
+    assert all(-(-n // 256) == stages_w for n in row_lens), "not a full batch"
+    total = key * stages_w * len(row_lens)
+    assert total * ctas <= 0xFFFFFFFF
+    closed = [-(-(c * total // ctas) // key) for c in range(ctas + 1)]
+    assert closed == list(model_wsd_shares.shares(row_lens, width, ctas, key))
+
+
 @pytest.mark.parametrize("fp4", [False, True])
 def test_ws_decode_kernels_cover_fp8_and_mxfp4_pages_of_64(fp4):
     """Which decode shapes the warp-specialized kernels take (pure: no device), their names,

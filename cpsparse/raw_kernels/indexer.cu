@@ -1304,11 +1304,19 @@ __device__ __forceinline__ int cps_wsd_kept_end(const int* __restrict__ lens, in
 // search and the producer read them there: a second round trip to global memory cost
 // ~0.7 us of a B=1 launch's 5). scratch: NT / 32 + 2 u64 of shared memory (free until
 // the first item); p_lo / p_hi land in scratch[NT / 32 + 0/1].
+// try_full (the same in every thread; the caller's guess, whose 32-bit bounds the cuts of a
+// full batch need): first ask, in one barrier, whether every request holds keys in all of
+// its U stages (weight KEY_WEIGHT U: a decode step's batch whose contexts end in the last
+// stage of the width). Then every stage weighs the same, the cuts are the caller's
+// ceil(floor(c T / G) / KEY_WEIGHT) from the launch alone: return true, scratch untouched
+// (the scan, its barrier, the cut search and the barrier after it cost a B=1 launch more
+// than the rest of its producer's work before its first key copy).
 template <int NN, int NT>
-__device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int lens_2d,
+__device__ __forceinline__ bool cps_wsd_share(const int* __restrict__ lens, int lens_2d,
                                               int batch, int width, int tid,
                                               unsigned long long* scratch, int* s_ends,
-                                              const int (&pre)[CPS_IDX_WSD_PRE][NN]) {
+                                              const int (&pre)[CPS_IDX_WSD_PRE][NN],
+                                              bool try_full) {
     static_assert(NT == CPS_IDX_WSD_SHARE_THREADS, "named barrier 1 is the producer warpgroup's");
     constexpr int NW = NT / 32;
     const int U = (width + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
@@ -1342,6 +1350,18 @@ __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int 
             }
             sum += cps_wsd_weight<NN>(ends, U, nk);
         }
+    }
+    if (try_full) {
+        // (the s_ends stores above are ordered before every thread's later reads by the
+        // barrier, as by bar.sync)
+        const int full = sum == (long long)(b1 - b0) * CPS_IDX_WSD_KEY_WEIGHT * U;
+        int all_full;
+        asm volatile("{\n\t.reg .pred p, q;\n\t"
+                     "setp.ne.s32 q, %1, 0;\n\t"
+                     "bar.red.and.pred p, 1, %2, q;\n\t"
+                     "selp.s32 %0, 1, 0, p;\n\t}"
+                     : "=r"(all_full) : "r"(full), "n"(NT) : "memory");
+        if (all_full) return true;
     }
     // Inclusive scan over the warp; with every request in warp 0 (batch <= 32) only the
     // steps that reach lane batch - 1, which then holds the total (no barrier; the other
@@ -1405,6 +1425,7 @@ __device__ __forceinline__ void cps_wsd_share(const int* __restrict__ lens, int 
         }
     }
     asm volatile("bar.sync 1, %0;\n" ::"n"(NT) : "memory");
+    return false;
 }
 
 template <int NN, bool FP4, int S>
@@ -1476,8 +1497,8 @@ __device__ __forceinline__ void cps_paged_ws_body(
                 gpos = -1;
             }
         }
-        cps_wsd_share<NN, CPS_IDX_WSD_SHARE_THREADS>(lens, lens_2d, batch, width, ptid, share,
-                                                     s_ends, pre);
+        const bool full = cps_wsd_share<NN, CPS_IDX_WSD_SHARE_THREADS>(
+            lens, lens_2d, batch, width, ptid, share, s_ends, pre, guess);
         // Thread ptid moves bytes [16 ptid, +16) of each 2 KB of a stage's codes (fp8: key
         // row 16 k + rr of a page, chunk ptid % 8). Its source offsets inside a page are
         // fixed: a page's copies are one multiply-add off a per-thread base (a missing
@@ -1486,16 +1507,28 @@ __device__ __forceinline__ void cps_paged_ws_body(
         const u32 dst_off = FP4 ? ptid * 16 : rr * CPS_IDX_D + (((ptid & 7) ^ (rr & 7)) << 4);
         const u8* const code_src = cache + (FP4 ? ptid * 16 : rr * CPS_IDX_D + (ptid & 7) * 16);
         const u8* const scale_src = cache + CPS_IDX_TILE * KB + (ptid & 63) * 4;
-        int pos = (int)share[CPS_IDX_WSD_SHARE_THREADS / 32];   // this CTA's share
-        const int p_end = (int)share[CPS_IDX_WSD_SHARE_THREADS / 32 + 1];
+        // This CTA's share: a full batch's from the launch (cps_wsd_share returned true,
+        // read nothing of its scratch; the first cut is the guess's own), else the share's.
+        int pos, p_end;
+        if (full) {
+            const unsigned T = (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT;
+            pos = (int)((blockIdx.x * T / gridDim.x + CPS_IDX_WSD_KEY_WEIGHT - 1)
+                        / CPS_IDX_WSD_KEY_WEIGHT);
+            p_end = (int)(((blockIdx.x + 1) * T / gridDim.x + CPS_IDX_WSD_KEY_WEIGHT - 1)
+                          / CPS_IDX_WSD_KEY_WEIGHT);
+        } else {
+            pos = (int)share[CPS_IDX_WSD_SHARE_THREADS / 32];
+            p_end = (int)share[CPS_IDX_WSD_SHARE_THREADS / 32 + 1];
+        }
         // The guess hit (the same first item: its request and stage): its page ids go to
-        // s_bt once every producer thread has read its share there; the first item then
-        // skips its page-id loads. (Entries past the item's pages are never read.)
-        // (The same in every producer thread: gpos is a function of the launch alone, pos
-        // and p_end were read from shared memory after the share's last barrier.)
+        // s_bt once every producer thread has read its share there (a full batch's share
+        // was not read there: no barrier); the first item then skips its page-id loads.
+        // (Entries past the item's pages are never read.) (The same in every producer
+        // thread: gpos and full are functions of the launch and the lengths alone, pos and
+        // p_end read from shared memory after the share's last barrier.)
         bool ids_ready = gpos == pos && pos < p_end;
         if (ids_ready) {
-            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            if (!full) asm volatile("bar.sync 1, 128;\n" ::: "memory");
             s_bt[ptid] = (u32)gid0 < (u32)num_blocks ? gid0 : -1;
             s_bt[ptid + 128] = (u32)gid1 < (u32)num_blocks ? gid1 : -1;
         }

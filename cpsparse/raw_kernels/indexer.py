@@ -39,8 +39,10 @@ WSD_FP4_STAGES = 8       # ... of the warp-specialized decode CTA with MXFP4 key
 WS_THREADS = 128 * WS_MATH + 128    # ... and a producer warpgroup
 WS_PRODUCER_REGS = 32    # setmaxnreg split of its 640 x 96 launch registers (CPS_IDX_WS_PREGS)
 WS_MATH_REGS = 112       #                                                    (CPS_IDX_WS_MREGS)
-WSD_PRODUCER_REGS = 56   # ... of the warp-specialized decode CTA (CPS_IDX_WSD_PREGS): its
+WSD_PRODUCER_REGS = 64   # ... of the warp-specialized decode CTA (CPS_IDX_WSD_PREGS): its
 WSD_MATH_REGS = 104      # producer holds a stage's page ids and addresses (CPS_IDX_WSD_MREGS)
+                         # and a full batch's cuts beside the share's: the whole 640 x 96
+                         # pool (at 56 the next_n 2 producers spilled 4-8 bytes)
 WSD_META_BYTES = 24      # a Q slot's work item in the ws decode CTA (CPS_IDX_WSD_META_BYTES)
 WSD_KEY_WEIGHT = 16      # a stage with keys against one of only -inf to write, when the ws
                          # decode CTAs share a batch (CPS_IDX_WSD_KEY_WEIGHT): 33 KB of fp8
