@@ -889,12 +889,32 @@ def _f(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def compare_runs(base, new):
+    """Rows of an A/B of two ``bench_peers`` payloads (``base``: the tree before a change,
+    ``new``: after it; each timed against the peer in its own process): per workload both
+    in either, the kernel medians, their ratio (> 1: the change is faster) and each side's
+    kernel speedup over the peer (the ratio that the peer's own drift between the two
+    processes cancels out of)."""
+    old = {r["workload"]: r for r in base.get("rows", [])}
+    rows = []
+    for r in new.get("rows", []):
+        b = old.get(r["workload"])
+        if b is None:
+            continue
+        ms_b, ms_n = b.get("cpsparse_kernel_ms"), r.get("cpsparse_kernel_ms")
+        rows.append({"workload": r["workload"], "base_kernel_ms": ms_b, "new_kernel_ms": ms_n,
+                     "speedup": ms_b / ms_n if ms_b and ms_n else None,
+                     "base_vs_peer": b.get("kernel_speedup"),
+                     "new_vs_peer": r.get("kernel_speedup")})
+    return rows
+
+
 def _reexec_with_preload(argv):
     """Start again with the system libstdc++ preloaded (DeepGEMM's JIT needs it); the
     preload must be in place before the process starts, so this replaces the process."""
     if "libstdc++" in os.environ.get("LD_PRELOAD", "") or not os.path.exists(LIBSTDCXX) \
             or os.environ.get("CPSPARSE_PEERS_REEXEC") or "--no-peers" in argv \
-            or "--list" in argv:
+            or "--list" in argv or "--compare" in argv:
         return
     env = dict(os.environ, CPSPARSE_PEERS_REEXEC="1",
                LD_PRELOAD=" ".join(p for p in (LIBSTDCXX, os.environ.get("LD_PRELOAD")) if p),
@@ -917,6 +937,8 @@ def parse_args(argv=None):
     p.add_argument("--list", action="store_true", help="print the selected names and exit")
     p.add_argument("--peer-first", action="store_true", help="time the peer before cpsparse "
                    "in each workload (an order check: the default times cpsparse first)")
+    p.add_argument("--compare", nargs=2, metavar=("BASE", "NEW"), help="print the A/B of "
+                   "two peers.json files (compare_runs) and exit")
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="time both sides N times, alternating which goes first (ABBA for "
                    "2), each side's figures pooled: the side timed first reads faster on "
@@ -927,6 +949,12 @@ def parse_args(argv=None):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.compare:
+        base, new = (json.loads(pathlib.Path(f).read_text()) for f in args.compare)
+        harness.print_table(compare_runs(base, new),
+                            ["workload", "base_kernel_ms", "new_kernel_ms", "speedup",
+                             "base_vs_peer", "new_vs_peer"])
+        return 0
     chosen = select(args.only)
     if args.list or not chosen:
         print("\n".join(w["name"] for w in chosen) or f"no workload matches {args.only}")
