@@ -81,6 +81,12 @@ if want profile; then
     timeout 120 python3 -m benchmarks.profile_attention trace 2>&1 \
         | tee "$OUT/profile_attention_trace.log" | tail -10
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    # The ws decode scoring kernel's first item, CTA by CTA (clock64 stamps): B=1 x 32K,
+    # where a launch is its start-up, and B=64 x 32K.
+    { timeout 120 python3 -m benchmarks.profile_indexer trace 1 32768 1 \
+          && timeout 120 python3 -m benchmarks.profile_indexer trace 64 32768 1; } 2>&1 \
+        | tee "$OUT/profile_indexer_trace.log" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     # The top-k kernel's phases (clock64 stamps a CTA), normal and low-contrast rows.
     timeout 200 python3 -m benchmarks.profile_topk 2>&1 | tee "$OUT/profile_topk.log" | tail -8
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
