@@ -310,19 +310,24 @@ def _mla_check(cp, out, lse, p_out, p_lse):
                                    "ok": bad == 0 and out_rel < 5e-2 and lse_abs < 5e-2}
 
 
-def _logits_check(cp, ours, theirs, visible=None):
+def _logits_check(cp, ours, theirs, visible=None, ours_clean=True):
     """Prefill (``visible`` None): the same -inf mask and equal finite values. Decode:
-    the peer writes only the window (clean_logits=False), cpsparse -inf elsewhere."""
+    the peer writes only the window (clean_logits=False), cpsparse -inf elsewhere
+    (``ours_clean`` False: cpsparse's call was clean_logits=False too, and only the
+    windows are compared)."""
     neg_o, neg_p = cp.isneginf(ours), cp.isneginf(theirs)
     if visible is None:
         mask_bad, both = int((neg_o != neg_p).sum()), ~neg_o & ~neg_p
     else:
-        mask_bad = int((~visible & ~neg_o).sum() + (visible & (neg_o != neg_p)).sum())
+        mask_bad = int((visible & (neg_o != neg_p)).sum())
+        if ours_clean:
+            mask_bad += int((~visible & ~neg_o).sum())
         both = visible & ~neg_o & ~neg_p
     unequal = int((both & (ours != theirs)).sum())
     z = cp.float32(0)
     err = _rel(cp, cp.where(both, ours, z), cp.where(both, theirs, z))
-    nan = int(cp.isnan(ours).sum())
+    nan = int((cp.isnan(ours) if visible is None or ours_clean
+               else cp.isnan(ours) & visible).sum())
     return err, {"mask_mismatches": mask_bad, "unequal_entries": unequal, "nan_ours": nan,
                  "ok": mask_bad == 0 and nan == 0 and err == 0.0}
 
@@ -749,21 +754,26 @@ def run_indexer_decode(s, w):
                   torch.from_dlpack(tab)) for q, wt, tab in sets]
         visible = cp.arange(ctx, dtype=cp.int32)[None, :] < lens.reshape(-1, 1)
         return (_deepgemm_paged(s, dg, cache, lens, ctx), tsets,
-                lambda o, p: _logits_check(cp, o, _t2c(s, p), visible))
+                lambda o, p: _logits_check(cp, o, _t2c(s, p), visible, ours_clean=False))
+    # Both sides clean_logits=False: nothing past a row's window is written (what a
+    # decode step's top-k, which reads only the windows, needs).
     got = _side_by_side(s, lambda q, wt, tab: cps.paged_mqa_logits(q, ours_cache, wt, lens, tab,
-                                                                   ctx),
+                                                                   ctx, clean_logits=False),
                         sets, 10, [b * nn * ctx * 4], ["deep_gemm"], make_peer)
     keys_read = int(lens[:, -1].sum())          # each request's keys, read once
     shapes = dict(B=b, ctx=ctx, next_n=nn, H=H_IDX, D=D, page_sets=nsets,
                   keys="mxfp4" if fp4 else "fp8", lens="mixed" if mixed else "full",
-                  mean_context=keys_read / b)
+                  mean_context=keys_read / b, clean_logits=False)
     key_bytes = (D // 2 + 4) if fp4 else (D + 4)
     if fp4:
         got["notes"].append("cpsparse reads MXFP4 pages (68 bytes a key), the peer "
                             "DeepGEMM's fp8 kernel the same keys as fp8 pages (132 bytes; "
                             "DeepGEMM's MXFP4 kernel is SM100 only); queries fp8 on both")
+    got["notes"].append("both sides clean_logits=False: positions past a row's window are "
+                        "not written (cpsparse's default, clean_logits=True, writes -inf "
+                        "there); bytes: the keys read and the windows written")
     row = make_row(w["name"], w["peer"], shapes,
-                   nbytes=keys_read * key_bytes + b * nn * ctx * 4, **got)
+                   nbytes=keys_read * key_bytes + int(lens.sum()) * 4, **got)
     row["copy_tbs"] = _copy_tbs(s)
     if row.get("cpsparse_kernel_tbs"):
         row["cpsparse_fraction_of_copy"] = row["cpsparse_kernel_tbs"] / row["copy_tbs"]
@@ -823,7 +833,7 @@ def run_decode_step(s, w):
     scale = cps.softmax_scale(128, 64)
 
     def step(q8, wt, qm):
-        logits = cps.paged_mqa_logits(q8, icache, wt, lens, table, ctx)
+        logits = cps.paged_mqa_logits(q8, icache, wt, lens, table, ctx, clean_logits=False)
         slots = cps.topk_per_row_decode(logits, lens, nn, K, out=buf, block_table=table,
                                         block_size=BS)          # slot mapping fused
         return cps.sparse_mla_attention(qm, mcache, slots, scale)
@@ -879,12 +889,32 @@ def _f(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def compare_runs(base, new):
+    """Rows of an A/B of two ``bench_peers`` payloads (``base``: the tree before a change,
+    ``new``: after it; each timed against the peer in its own process): per workload both
+    in either, the kernel medians, their ratio (> 1: the change is faster) and each side's
+    kernel speedup over the peer (the ratio that the peer's own drift between the two
+    processes cancels out of)."""
+    old = {r["workload"]: r for r in base.get("rows", [])}
+    rows = []
+    for r in new.get("rows", []):
+        b = old.get(r["workload"])
+        if b is None:
+            continue
+        ms_b, ms_n = b.get("cpsparse_kernel_ms"), r.get("cpsparse_kernel_ms")
+        rows.append({"workload": r["workload"], "base_kernel_ms": ms_b, "new_kernel_ms": ms_n,
+                     "speedup": ms_b / ms_n if ms_b and ms_n else None,
+                     "base_vs_peer": b.get("kernel_speedup"),
+                     "new_vs_peer": r.get("kernel_speedup")})
+    return rows
+
+
 def _reexec_with_preload(argv):
     """Start again with the system libstdc++ preloaded (DeepGEMM's JIT needs it); the
     preload must be in place before the process starts, so this replaces the process."""
     if "libstdc++" in os.environ.get("LD_PRELOAD", "") or not os.path.exists(LIBSTDCXX) \
             or os.environ.get("CPSPARSE_PEERS_REEXEC") or "--no-peers" in argv \
-            or "--list" in argv:
+            or "--list" in argv or "--compare" in argv:
         return
     env = dict(os.environ, CPSPARSE_PEERS_REEXEC="1",
                LD_PRELOAD=" ".join(p for p in (LIBSTDCXX, os.environ.get("LD_PRELOAD")) if p),
@@ -907,6 +937,8 @@ def parse_args(argv=None):
     p.add_argument("--list", action="store_true", help="print the selected names and exit")
     p.add_argument("--peer-first", action="store_true", help="time the peer before cpsparse "
                    "in each workload (an order check: the default times cpsparse first)")
+    p.add_argument("--compare", nargs=2, metavar=("BASE", "NEW"), help="print the A/B of "
+                   "two peers.json files (compare_runs) and exit")
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="time both sides N times, alternating which goes first (ABBA for "
                    "2), each side's figures pooled: the side timed first reads faster on "
@@ -917,6 +949,12 @@ def parse_args(argv=None):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.compare:
+        base, new = (json.loads(pathlib.Path(f).read_text()) for f in args.compare)
+        harness.print_table(compare_runs(base, new),
+                            ["workload", "base_kernel_ms", "new_kernel_ms", "speedup",
+                             "base_vs_peer", "new_vs_peer"])
+        return 0
     chosen = select(args.only)
     if args.list or not chosen:
         print("\n".join(w["name"] for w in chosen) or f"no workload matches {args.only}")

@@ -23,6 +23,14 @@ cycle). On the H200 of 2026-12-03 the fp8 next_n 1 kernel read DRAM 77% / issue 
 MXFP4 one DRAM 39% / issue 0.67 (performance.md, "Warp-specialized MXFP4 decode scoring").
 ``--clock-control none`` keeps the device's own clocks, as the graph-replay timings run;
 without it ncu locks the SMs near 1.3 GHz.
+
+``python3 -m benchmarks.profile_indexer trace [B CTX NEXT_N]`` (default 1 32768 1; ``bash
+tools/gpu_check.sh profile`` runs it) instead launches the fp8 ws decode kernel with
+clock64 stamps (TRACE) and prints, as medians over the CTAs, when each CTA's producer had
+its share and issued its first stage's copies, when math warpgroup 0 saw the query slot
+and the first stage full, finished its first item and left, and when the producer left,
+all in us after the CTA's entry; and the spread of the CTAs' entries (globaltimer): where
+a B=1 launch (4.3-4.4 us on an H100, DeepGEMM's 3.9-4.1) spends its time.
 """
 
 import csv
@@ -166,6 +174,124 @@ def launch():
     print("launched the ws decode kernels (fp8 and MXFP4, next_n 1 and 2)")
 
 
+# ---- trace: clock64 stamps of the ws decode kernel's first item, CTA by CTA --------------
+# Each (anchor, replacement) must hit indexer.cu once (harness.substitute; the CPU test
+# compiles the traced source without spills). Stamps: thread 0 of the producer warpgroup
+# (ptid 0) and of math warpgroup 0 (tid 0); the launch's globaltimer at each CTA's entry.
+TRACE_CTAS = 132
+TRACE_EVENTS = ("entry", "share_done", "first_copies", "math_q_full", "math_k_full",
+                "math_first_item", "math_exit", "producer_exit")
+TRACE = [
+    ("constexpr int CPS_IDX_WSD_ENDS_CAP = CPS_IDX_WS_THREADS;",
+     f"__device__ long long cps_wsd_trace[{TRACE_CTAS}][{len(TRACE_EVENTS)}];\n"
+     f"__device__ unsigned long long cps_wsd_gtimer[{TRACE_CTAS}];\n"
+     "__device__ __forceinline__ void cps_wsd_trace_at(int ev) {\n"
+     f"    if (blockIdx.x < {TRACE_CTAS}) cps_wsd_trace[blockIdx.x][ev] = clock64();\n"
+     "}\n"
+     "constexpr int CPS_IDX_WSD_ENDS_CAP = CPS_IDX_WS_THREADS;"),
+    ("    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 1);\n",
+     "    if (tid == 0) {\n"
+     "        cps_wsd_trace_at(0);\n"
+     "        unsigned long long g;\n"
+     "        asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(g));\n"
+     f"        if (blockIdx.x < {TRACE_CTAS}) cps_wsd_gtimer[blockIdx.x] = g;\n"
+     "    }\n"
+     "    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 1);\n"),
+    ("            lens, lens_2d, batch, width, ptid, share, s_ends, pre, guess);\n",
+     "            lens, lens_2d, batch, width, ptid, share, s_ends, pre, guess);\n"
+     "        if (ptid == 0) cps_wsd_trace_at(1);\n"),
+    ("                cps_mbar_arrive_cp_async(kfull + 8 * st);\n                if (ptid == 0) {\n",
+     "                cps_mbar_arrive_cp_async(kfull + 8 * st);\n"
+     "                if (ptid == 0 && kv == 0) cps_wsd_trace_at(2);\n"
+     "                if (ptid == 0) {\n"),
+    ("        const CpsIdxWsdMeta& m = meta[qs];\n        const int b = m.req;\n"
+     "        if (b < 0) break;",
+     "        if (tid == 0 && it == 0) cps_wsd_trace_at(3);\n"
+     "        const CpsIdxWsdMeta& m = meta[qs];\n        const int b = m.req;\n"
+     "        if (b < 0 && tid == 0) cps_wsd_trace_at(6);\n"
+     "        if (b < 0) break;"),
+    ("            cps_mbar_wait(kfull + 8 * st, (kv / S) & 1);\n"
+     "            const int t0 = t_lo + j * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg;\n",
+     "            cps_mbar_wait(kfull + 8 * st, (kv / S) & 1);\n"
+     "            if (tid == 0 && kv == 0) cps_wsd_trace_at(4);\n"
+     "            const int t0 = t_lo + j * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg;\n"),
+    ("        cps_mbar_arrive(bar + 16 + 8 * qs);\n    }\n}\n\n// _h64n1 / _h64n2",
+     "        if (tid == 0 && it == 0) cps_wsd_trace_at(5);\n"
+     "        cps_mbar_arrive(bar + 16 + 8 * qs);\n    }\n}\n\n// _h64n1 / _h64n2"),
+    ("        if (ptid == 0) meta[qs].req = -1;\n",
+     "        if (ptid == 0) meta[qs].req = -1;\n"
+     "        if (ptid == 0) cps_wsd_trace_at(7);\n"),
+]
+
+
+def trace_source(source):
+    """indexer.cu with the trace's stamps (TRACE)."""
+    from benchmarks import harness
+    return harness.substitute(source, TRACE, "the ws decode trace of indexer.cu")
+
+
+def trace_summary(stamps, gtimer, mhz):
+    """Medians over the CTAs that ran an item (us, SM clock ``mhz``) of each event after
+    the CTA's entry, and the spread of the CTAs' entries (globaltimer, us): where a small
+    batch's launch spends its time before and after its only key stage."""
+    import numpy as np
+    s = np.asarray(stamps, dtype=np.int64)
+    g = np.asarray(gtimer, dtype=np.int64)
+    ran = (s[:, 0] > 0) & (s[:, 5] > 0)
+    out = {"ctas": int((s[:, 0] > 0).sum()), "ctas_with_items": int(ran.sum())}
+    for e, name in enumerate(TRACE_EVENTS[1:], start=1):
+        d = (s[ran, e] - s[ran, 0]) / mhz
+        ok = s[ran, e] > 0
+        out[name + "_us"] = float(np.median(d[ok])) if ok.any() else None
+    started = g[g > 0]
+    out["entry_spread_us"] = float((started.max() - started.min()) / 1e3) if started.size else None
+    return out
+
+
+def trace(batch=1, ctx=32768, next_n=1):
+    """One traced launch of the fp8 ws decode kernel (after warm-up launches), printed as
+    trace_summary; returns it."""
+    import cupy as cp
+
+    import cpsparse as cps
+    from benchmarks import bench_peers as bp
+    from benchmarks import harness
+    from cpsparse import raw_kernels
+    from cpsparse.raw_kernels import indexer as ki
+
+    block, dim, heads = 64, 128, 64
+    pages = batch * (ctx // block)
+    cache = cps.IndexerKCache(pages, block, dim, xp=cp)
+    bp._fill_indexer(cp, cache.data)
+    table = cp.random.permutation(pages).astype(cp.int32).reshape(batch, -1)
+    lens = bp._decode_lens(cp, batch, ctx, next_n)
+    q8 = bp._codes(cp, (batch, next_n, heads, dim))
+    w = cp.random.standard_normal((batch * next_n, heads), dtype=cp.float32)
+    out = cp.empty((batch * next_n, ctx), cp.float32)
+    src = trace_source(raw_kernels.module_source("indexer"))
+    with harness.module_source_override("indexer", src, ki._PLANS, ki._PREFILL_LAUNCHES):
+        plan = ki.paged_plan(batch, next_n, heads, dim, ctx, block)
+        if plan[2].name != ki.ws_kernel_name(next_n, False):
+            raise RuntimeError(f"the plan picked {plan[2].name}, not a ws kernel")
+        for _ in range(5):
+            ki.paged_mqa_logits(cp, q8, cache, w, lens, table, ctx, out=out, plan=plan)
+        cp.cuda.runtime.deviceSynchronize()
+        mod = raw_kernels.get_module("indexer")
+        stamps = cp.ndarray((TRACE_CTAS, len(TRACE_EVENTS)), cp.int64,
+                            mod.get_global("cps_wsd_trace"))
+        gtimer = cp.ndarray((TRACE_CTAS,), cp.uint64, mod.get_global("cps_wsd_gtimer"))
+        stamps.fill(0)
+        gtimer.fill(0)
+        ki.paged_mqa_logits(cp, q8, cache, w, lens, table, ctx, out=out, plan=plan)
+        cp.cuda.runtime.deviceSynchronize()
+        mhz = cp.cuda.Device().attributes["ClockRate"] / 1e3
+        summary = trace_summary(stamps.get(), gtimer.get().astype("int64"), mhz)
+    print(f"trace B={batch} ctx={ctx} next_n={next_n} (SM clock {mhz:.0f} MHz): " + ", ".join(
+        f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()),
+        flush=True)
+    return summary
+
+
 # mode -> (its file argument, reader, printer, what an empty read means)
 READERS = {"--parse": ("NCU_REPORT", parse, summary, "did ncu run?"),
            "--source": ("SOURCE_CSV", read_source, source_summary,
@@ -182,6 +308,10 @@ def main(argv):
         if not report:
             raise SystemExit(f"no kernel report in {argv[1]} ({hint})")
         print(show(report))
+        return 0
+    if argv[:1] == ["trace"]:
+        sizes = [int(a) for a in argv[1:4]]
+        trace(*sizes)
         return 0
     launch()
     return 0

@@ -230,6 +230,14 @@ def squeeze_axis(name, a, axis, ndim):
     return a
 
 
+def check_bool(name: str, value: object) -> bool:
+    """A bool (numpy.bool_ too): a flag that silently took 0 / 1 / "no" would hide a
+    caller's mistake."""
+    if isinstance(value, (bool, numpy.bool_)):
+        return bool(value)
+    raise TypeError(f"Invalid {name}: expected a bool, got {value!r}")
+
+
 def check_positive_int(name: str, value: IntLike) -> int:
     if type(value) is int and value > 0:          # the hot path: no abc instance check
         return value

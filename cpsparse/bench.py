@@ -229,8 +229,9 @@ class DecodeStep:
         return [(j,) for j in range(self.sets)]
 
     def scoring(self, j):
+        # as the layer's indexer scores a decode step: its top-k reads only the windows
         return paged_mqa_logits(self.q8[j], self.icache, self.w[j], self.lens, self.table,
-                                self.context)
+                                self.context, clean_logits=False)
 
     def topk(self, j):
         return topk_per_row_decode(self.logits[j], self.lens, 1, self.k, out=self.buf)

@@ -61,14 +61,15 @@ def mqa_logits_core(xp, q_codes, k_codes, k_scales, weights, ks, ke):
 
 
 def paged_mqa_logits_core(xp, q_codes, cache, weights, context_lens, block_table,
-                          max_context_len):
+                          max_context_len, clean_logits=True):
     if _backend.use_kernels(xp):
         batch, next_n, heads, dim = q_codes.shape
         planned = _kindexer.paged_plan(batch, next_n, heads, dim, max_context_len,
                                        cache.block_size, fp4=cache.dtype == "mxfp4")
         if _kindexer.supports_paged(q_codes, cache.data, planned[1]):
             return _kindexer.paged_mqa_logits(xp, q_codes, cache, weights, context_lens,
-                                              block_table, max_context_len, plan=planned)
+                                              block_table, max_context_len, plan=planned,
+                                              clean_logits=clean_logits)
         _backend.warn_fallback("paged_mqa_logits",
                                tuple(q_codes.shape) + (cache.block_size, cache.dtype),
                                "this head count / head_dim / page size / alignment / key "
@@ -301,7 +302,7 @@ def _check_decode_lens(context_lens, batch, next_n):
 
 def paged_mqa_logits(q_codes: Array, cache: IndexerKCache | Array, weights: Array,
                      context_lens: Array, block_table: Array,
-                     max_context_len: IntLike) -> Array:
+                     max_context_len: IntLike, *, clean_logits: bool = True) -> Array:
     """Decode indexer logits straight from the paged key cache.
 
     Parameters
@@ -322,11 +323,20 @@ def paged_mqa_logits(q_codes: Array, cache: IndexerKCache | Array, weights: Arra
         position past the table) is never read: its keys score ``-inf``.
     max_context_len : int
         Width of the output (>= every context length).
+    clean_logits : bool, optional
+        True (default): ``-inf`` at every position a row does not see. False (as
+        DeepGEMM's ``clean_logits=False``): positions past a row's window end may be
+        left unwritten, their values unspecified. For a top-k that reads only the rows'
+        windows (:func:`topk_per_row_decode` does; the indexer's decode step passes
+        False) it saves writing them, most on batches of mixed lengths. Inside a row's
+        window the logits are the same either way (``-inf`` for a missing page
+        included). The NumPy reference writes ``-inf`` either way.
 
     Returns
     -------
     float32 [B * next_n, max_context_len]
-        ``-inf`` at positions a row does not see.
+        ``-inf`` at positions a row does not see (``clean_logits=False``: unspecified
+        past its window end).
 
     Notes
     -----
@@ -357,9 +367,11 @@ def paged_mqa_logits(q_codes: Array, cache: IndexerKCache | Array, weights: Arra
         data, wrapped = cache.data, (cache.block_size, cache.head_dim, cache.dtype)
     else:
         data, wrapped = cache, None
+    if type(clean_logits) is not bool:        # (numpy.bool_ too; before the memo's key)
+        clean_logits = V.check_bool("clean_logits", clean_logits)
     key = V.layouts(q_codes, weights, context_lens, block_table, data)
     if key is not None:
-        key += (type(max_context_len), max_context_len, wrapped)
+        key += (type(max_context_len), max_context_len, wrapped, clean_logits)
     hit = _PAGED_CALLS.get(key)
     if hit is None:
         xp = _backend.get_array_module(q_codes=q_codes, weights=weights,
@@ -374,7 +386,8 @@ def paged_mqa_logits(q_codes: Array, cache: IndexerKCache | Array, weights: Arra
                       shape_desc="[B, max_blocks]")
         max_context_len = V.check_nonnegative_int("max_context_len", max_context_len)
         launch = _kindexer.call_launch(xp, q_codes, kcache, context_lens, block_table,
-                                       max_context_len) if _backend.use_kernels(xp) else None
+                                       max_context_len, clean_logits) \
+            if _backend.use_kernels(xp) else None
         _PAGED_CALLS.put(key, (xp, kcache.block_size, launch))
     else:                                  # the same layouts passed the checks above
         xp, block_size, launch = hit
@@ -389,7 +402,7 @@ def paged_mqa_logits(q_codes: Array, cache: IndexerKCache | Array, weights: Arra
     V.check_context_lens(xp, context_lens, block_table, kcache.block_size, max_context_len,
                          kcache.num_blocks)
     return paged_mqa_logits_core(xp, q_codes, kcache, weights, context_lens, block_table,
-                                 max_context_len)
+                                 max_context_len, clean_logits)
 
 
 _PAGED_CALLS = V.CallMemo("paged_mqa_logits")

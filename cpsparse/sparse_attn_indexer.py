@@ -216,9 +216,11 @@ def sparse_attn_indexer_core(xp, q_codes, weights, k, k_cache, metadata, topk_in
         nd, batch, next_n = metadata.num_decode_tokens, metadata.num_decodes, decode.next_n
         q_dec = _pad_decode(xp, q_codes[:nd], decode, batch).reshape(batch, next_n, heads, dim)
         w_dec = _pad_decode(xp, weights[:nd], decode, batch)
+        # (the top-k reads only the rows' windows: nothing past them is written)
         logits = paged_mqa_logits_core(xp, xp.ascontiguousarray(q_dec), k_cache,
                                        xp.ascontiguousarray(w_dec), decode.context_lens,
-                                       decode.block_table, decode.max_context_len)
+                                       decode.block_table, decode.max_context_len,
+                                       clean_logits=False)
         if decode.requires_padding:
             rows = topk_per_row_decode_core(xp, logits, decode.context_lens, next_n, topk,
                                             xp.empty((logits.shape[0], topk), xp.int32))

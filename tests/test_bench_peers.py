@@ -2,6 +2,7 @@
 --only selection, the results rows and their merge, and the cross-checks (NumPy stands in
 for CuPy: they use only the array functions both share). No torch, no GPU."""
 
+import json
 import subprocess
 import sys
 
@@ -150,6 +151,18 @@ def test_logits_check_prefill_and_decode():
     nan[2, 1] = np.nan                # a NaN logit: no finite difference to see, still bad
     err, check = bp._logits_check(np, nan, ours, visible)
     assert check["nan_ours"] == 1 and not check["ok"]
+    # cpsparse with clean_logits=False too: only the windows are compared
+    unwritten = np.where(visible, ours, np.nan).astype(np.float32)
+    assert bp._logits_check(np, unwritten, garbage, visible, ours_clean=False)[1]["ok"]
+    assert not bp._logits_check(np, unwritten, garbage, visible)[1]["ok"]
+    bad = unwritten.copy()
+    bad[2, 1] = np.nan                                 # inside a window: still caught
+    check = bp._logits_check(np, bad, garbage, visible, ours_clean=False)[1]
+    assert check["nan_ours"] == 1 and not check["ok"]
+    bad = unwritten.copy()
+    bad[1, 0] = -np.inf                                # a -inf inside a window
+    check = bp._logits_check(np, bad, garbage, visible, ours_clean=False)[1]
+    assert check["mask_mismatches"] == 1 and not check["ok"]
 
 
 def test_relative_error_compares_where_both_sides_are_finite():
@@ -173,6 +186,30 @@ def test_mla_check():
     off[1, 2] += 0.1                     # lse off by 0.1 (a 10% weight error in a merge)
     err, check = bp._mla_check(np, out, off, out, lse)
     assert check["lse_max_abs_err"] > 0.09 and not check["ok"]
+
+
+def test_compare_runs_pairs_workloads_of_two_runs(tmp_path, capsys):
+    """--compare BASE NEW (gpu_check.sh's ab step): the workloads both runs hold, the
+    kernel medians' ratio (> 1: NEW faster) and each run's speedup over its own peer."""
+    def payload(rows):
+        return {"rows": [bp.make_row(n, "deepgemm", {}, None, {"median_ms": ms, "p10_ms": ms,
+                                                               "p90_ms": ms, "iters": 3},
+                                     None, {"median_ms": peer, "p10_ms": peer,
+                                            "p90_ms": peer, "iters": 3})
+                         for n, ms, peer in rows]}
+    base = payload([("a", 2.0, 1.0), ("b", 1.0, 1.0), ("only_base", 1.0, 1.0)])
+    new = payload([("b", 0.5, 1.2), ("a", 4.0, 1.0), ("only_new", 1.0, 1.0)])
+    rows = {r["workload"]: r for r in bp.compare_runs(base, new)}
+    assert sorted(rows) == ["a", "b"]
+    assert rows["a"]["speedup"] == 0.5 and rows["b"]["speedup"] == 2.0
+    assert (rows["b"]["base_vs_peer"], rows["b"]["new_vs_peer"]) == (1.0, 2.4)
+    files = []
+    for name, p in (("base", base), ("new", new)):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(p))
+    assert bp.main(["--compare"] + [str(f) for f in files]) == 0
+    out = capsys.readouterr().out
+    assert "only_base" not in out and "new_vs_peer" in out and "2.4" in out
 
 
 def test_list_runs_without_torch_or_cupy():

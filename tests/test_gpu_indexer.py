@@ -324,10 +324,13 @@ def _skewed_lens(rng):
 
 
 def _ws_bits_of_lengths(cp, kin, rng, lens, width, next_n, fp4, ctas=None, missing=False,
-                        piece_tiles=None, what=""):
+                        piece_tiles=None, what="", clean_logits=True):
     """The warp-specialized decode kernel on a batch of these lengths (None:
     _paged_fixed_case's) against the per-page kernel, bit for bit (NaN-poisoned
-    outputs), and the per-page kernel's -inf mask against the reference's."""
+    outputs), and the per-page kernel's -inf mask against the reference's.
+    ``clean_logits`` False: bit for bit inside each row's window; past it -inf up to the
+    request's last visited 64-key tile, unwritten (NaN) from there on. Returns how many
+    entries were left unwritten."""
     shape = {} if lens is None else dict(lens=lens, width=width)
     host, q8, w, ctx, table, width = _paged_fixed_case(rng, 64, next_n, fp4, missing=missing,
                                                        **shape)
@@ -346,10 +349,24 @@ def _ws_bits_of_lengths(cp, kin, rng, lens, width, next_n, fp4, ctas=None, missi
     assert np.array_equal(np.isneginf(want), np.isneginf(expect))
     out = cp.full((batch * next_n, width), np.nan, dtype=cp.float32)
     kin.paged_mqa_logits(cp, dq, dcache, dw, dctx, dtable, width, out=out,
-                         piece_tiles=piece_tiles, ctas=ctas)
+                         piece_tiles=piece_tiles, ctas=ctas, clean_logits=clean_logits)
     got = out.get()
-    assert not np.isnan(got).any(), f"{what} ctas={ctas}: unwritten (NaN-poisoned) outputs"
-    assert np.array_equal(got, want), f"{what} next_n={next_n} fp4={fp4} ctas={ctas}: differs"
+    case = f"{what} next_n={next_n} fp4={fp4} ctas={ctas} clean_logits={clean_logits}"
+    if clean_logits:
+        assert not np.isnan(got).any(), f"{case}: unwritten (NaN-poisoned) outputs"
+        assert np.array_equal(got, want), f"{case}: differs"
+        return 0
+    ends = np.minimum(cpsparse.paging.decode_row_ends(np.asarray(ctx), next_n), width)
+    col = np.arange(width)[None, :]
+    window = col < ends[:, None]
+    # the keys a request's items visit: its longest row's end, up to whole 64-key tiles
+    longest = np.repeat(ends.reshape(batch, next_n).max(axis=1), next_n)
+    visited = col < np.minimum(-(-longest // 64) * 64, width)[:, None]
+    assert np.array_equal(got[window], want[window]), f"{case}: differs inside the windows"
+    assert np.isneginf(got[visited & ~window]).all(), \
+        f"{case}: not -inf past a window inside the visited tiles"
+    assert np.isnan(got[~visited]).all(), f"{case}: wrote past the visited tiles"
+    return int((~visited).sum())
 
 
 @pytest.mark.parametrize("case,next_n,fp4,ctas", [
@@ -421,6 +438,59 @@ def test_paged_ws_full_batches_cut_from_the_launch(cp, kin, case, next_n, fp4, c
         "past_guess": ([520] * 300, 520, True)}[case]
     _ws_bits_of_lengths(cp, kin, rng, lens, width, next_n, fp4, ctas, missing=missing,
                         what=case)
+
+
+@pytest.mark.parametrize("case,next_n,fp4,ctas", [
+    ("skewed", 1, False, None), ("skewed", 2, False, None), ("skewed", 2, True, 7),
+    ("empty", 1, True, 5), ("full", 2, False, None), ("full", 1, True, 3),
+    ("long_first", 2, False, 130),
+])
+def test_paged_ws_unclean_logits_leave_past_the_windows(cp, kin, case, next_n, fp4, ctas):
+    """clean_logits=False (DeepGEMM's): the warp-specialized kernels write each row's
+    window bit for bit as with clean_logits=True, -inf past it inside the tiles they
+    visit, and nothing past those (NaN poison left): mixed lengths with empty rows,
+    every row empty (nothing written at all), full rows (nothing to leave), one long
+    request among short ones on 130 CTAs."""
+    rng = np.random.default_rng(9000 + 10 * next_n + fp4 + len(case))
+    lens, width = {"skewed": (_skewed_lens(rng), 20000 + 77), "empty": ([0] * 9, 3000),
+                   "full": ([4099] * 7, 4099),
+                   "long_first": ([65536] + [300] * 20, 65536)}[case]
+    left = _ws_bits_of_lengths(cp, kin, rng, lens, width, next_n, fp4, ctas, what=case,
+                               clean_logits=False)
+    assert (left == 0) == (case == "full"), (case, left)
+
+
+def test_paged_public_call_unclean_logits_feed_the_same_topk(cp):
+    """The public call with clean_logits=False (its memoized launch too, the second
+    call): the windows as with True, the same top-k sets (topk_per_row_decode reads
+    only the windows; the kernel's order within a row is unspecified, and with no
+    missing page no row ties at its k-th value), and a bool is required."""
+    rng = np.random.default_rng(9100)
+    host, q8, w, ctx, table, width = _paged_fixed_case(rng, 64, 2, False,
+                                                       lens=_skewed_lens(rng), width=20077,
+                                                       missing=False)
+    dcache = cpsparse.IndexerKCache.wrap(cp.asarray(host.data), 64, 128, dtype=host.dtype)
+    dq, dw, dctx, dtable = (cp.asarray(a) for a in (q8, w, ctx, table))
+    clean = cpsparse.paged_mqa_logits(dq, dcache, dw, dctx, dtable, width)
+    want = np.sort(cpsparse.topk_per_row_decode(clean, dctx, 2, 512).get(), axis=1)
+    ends = cpsparse.paging.decode_row_ends(np.asarray(ctx), 2)
+    window = np.arange(width)[None, :] < np.minimum(ends, width)[:, None]
+    prev = cpsparse.set_device_value_checks(False)
+    try:
+        for _ in range(2):
+            cp.get_default_memory_pool().free_all_blocks()
+            junk = cp.full(clean.size + (1 << 20), np.nan, cp.float32)
+            del junk                                      # the next output lands on NaN
+            got = cpsparse.paged_mqa_logits(dq, dcache, dw, dctx, dtable, width,
+                                            clean_logits=False)
+            assert np.array_equal(got.get()[window], clean.get()[window])
+            assert np.isnan(got.get()[~window]).any(), "clean_logits=False wrote -inf anyway"
+            rows = cpsparse.topk_per_row_decode(got, dctx, 2, 512).get()
+            assert np.array_equal(np.sort(rows, axis=1), want)
+    finally:
+        cpsparse.set_device_value_checks(prev)
+    with pytest.raises(TypeError, match="Invalid clean_logits: expected a bool"):
+        cpsparse.paged_mqa_logits(dq, dcache, dw, dctx, dtable, width, clean_logits=0)
 
 
 @pytest.mark.parametrize("block_size", [16, 128])

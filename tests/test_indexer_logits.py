@@ -301,6 +301,23 @@ def test_cache_bytes_hold_quantize_fp8_of_inserted_keys():
             assert sk == scales[i, 0]
 
 
+def test_paged_mqa_logits_clean_logits_is_a_bool_and_the_reference_writes_every_position():
+    """clean_logits=False on the NumPy backend: the reference writes -inf past the
+    windows either way (the same array as True); a non-bool is refused before anything
+    runs, numpy.bool_ is a bool."""
+    rng = np.random.default_rng(41)
+    cache, table, _, _ = build_paged_cache(rng, LENS)
+    lens = np.array(LENS, np.int32)
+    q8, w = decode_queries(rng, len(LENS), 2, 16)
+    clean = paged_mqa_logits(q8, cache, w, lens, table, max(LENS) + 3)
+    for flag in (False, np.bool_(False), np.bool_(True)):
+        got = paged_mqa_logits(q8, cache, w, lens, table, max(LENS) + 3, clean_logits=flag)
+        np.testing.assert_array_equal(got, clean)
+    for bad in (0, 1, None, "no", [False]):
+        with pytest.raises(TypeError, match="Invalid clean_logits: expected a bool, got "):
+            paged_mqa_logits(q8, cache, w, lens, table, max(LENS) + 3, clean_logits=bad)
+
+
 @pytest.mark.parametrize("next_n", [1, 2, 4])
 @pytest.mark.parametrize("raw", [False, True], ids=["cache_obj", "raw_uint8"])
 def test_paged_mqa_logits_1d_context_lens(next_n, raw):

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from benchmarks import profile_attention
+from benchmarks import profile_attention, profile_indexer
 from cpsparse import raw_kernels
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="needs the [nvrtc] extra "
@@ -186,6 +186,18 @@ def test_profile_variants_compile_like_the_kernel(variant):
     fp8 = kernel_reports(log)["cps_sparse_mla_fp8"]
     assert fp8[1:] == (0, 0, 0), f"variant {variant}: cps_sparse_mla_fp8 uses local memory {fp8}"
     assert "wgmma.mma_async instructions are serialized" not in log, log
+
+
+@pytest.mark.slow
+def test_indexer_trace_compiles_like_the_kernel():
+    # The ws decode trace (benchmarks.profile_indexer trace) times the fp8 kernels it
+    # launches only if the stamps leave them without local memory.
+    src = profile_indexer.trace_source(raw_kernels.module_source("indexer"))
+    ok, log = compile_module("indexer", source=src)
+    assert ok, log
+    reports = kernel_reports(log)
+    for name in ("cps_paged_mqa_logits_ws_h64n1", "cps_paged_mqa_logits_ws_h64n2"):
+        assert reports[name][1:] == (0, 0, 0), f"traced {name} uses local memory {reports[name]}"
 
 
 @pytest.mark.parametrize("module,kernel,define", [

@@ -370,11 +370,17 @@ def test_ws_decode_launch_arguments_on_both_paths(monkeypatch):
     got = run(q, cache.data, w, ctx, table)
     assert dev == 0 and got.shape == (4, 500) and got.data.ptr == 0x9000
     want = ((3,), (kin.WS_THREADS,), kin.WSD_SMEM[False],
-            (q, cache.data, w, ctx, 1, table, 9, 40, out, 500, 64, 2, 8))
+            (q, cache.data, w, ctx, 1, table, 9, 40, out, 500, 64, 2, 8, 1))
     assert launches[0] == want
     assert launches[1] == want[:3] + (want[3][:8] + (got,) + want[3][9:],)
     assert run(Arr(q.shape, np.uint8, 0x1001), cache.data, w, ctx, table) is None
     assert len(launches) == 2
+    # clean_logits=False: the last argument 0 on both paths
+    kin._paged_ws(CP, q, cache, w, ctx, table, 500, out, fn, plan[5], clean_logits=False)
+    _, run = kin.call_launch(CP, q, cache, ctx, table, 500, clean_logits=False)
+    got = run(q, cache.data, w, ctx, table)
+    assert launches[2] == want[:3] + (want[3][:-1] + (0,),)
+    assert launches[3] == want[:3] + (want[3][:8] + (got,) + want[3][9:-1] + (0,),)
 
 
 def test_attention_launch_arguments_on_both_paths(monkeypatch):

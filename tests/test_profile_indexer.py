@@ -120,3 +120,25 @@ def test_source_summary_shares_and_top_instructions():
     assert text[3].split()[:2] == ["f00d0", "1046"] and "barrier=1023" in text[3]
     assert text[4].split()[:2] == ["f35a0", "541"] and text[4].endswith("long_sb=538")
     assert text[5].startswith("cps_paged_mqa_logits_fp4_ws_h64n2: 131072 warp instructions")
+
+
+def test_trace_stamps_hit_the_kernel_once_and_summarize_per_cta(monkeypatch):
+    """The trace's substitutions each hit indexer.cu once (a stale anchor raises), and
+    trace_summary reads stamps [cta][event] as medians after each CTA's entry over the
+    CTAs that ran an item, with the entries' spread from the globaltimer."""
+    import numpy as np
+
+    from cpsparse import raw_kernels
+    src = P.trace_source(raw_kernels.module_source("indexer"))
+    assert src.count("cps_wsd_trace_at(") == len(P.TRACE_EVENTS) + 1     # + its definition
+    monkeypatch.setattr(P, "TRACE", P.TRACE + [("no such text in indexer.cu", "")])
+    with pytest.raises(ValueError, match="expected one occurrence"):
+        P.trace_source(raw_kernels.module_source("indexer"))
+    stamps = np.zeros((4, len(P.TRACE_EVENTS)), np.int64)
+    stamps[0] = [1000, 1500, 2000, 2500, 3000, 5000, 5200, 5100]
+    stamps[1] = [2000, 2600, 3000, 3600, 4000, 6000, 6400, 6100]
+    stamps[2, [0, 1, 7]] = [10, 20, 30]               # an empty share: no item
+    summary = P.trace_summary(stamps, np.array([7000, 9000, 8000, 0]), mhz=1000.0)
+    assert summary["ctas"] == 3 and summary["ctas_with_items"] == 2
+    assert summary["share_done_us"] == 0.55 and summary["math_first_item_us"] == 4.0
+    assert summary["entry_spread_us"] == 2.0

@@ -2,7 +2,7 @@
 # One call on the device machine: the GPU tests, the cost of index bounding, the host-time
 # profile, the kernel benchmarks and the side-by-side peer benchmark. Logs and JSON go
 # under $OUT (default ./gpu_out). Usage:
-#   bash tools/gpu_check.sh [all|tests|bounds|profile|layer|bench|peers|ncu]... [-- arguments...]
+#   bash tools/gpu_check.sh [all|tests|bounds|profile|layer|bench|peers|ncu|ab]... [-- arguments...]
 # "profile" is the host-time profile, the layer forward by stage ("layer" alone runs only
 # that), the attention kernel's ablations and trace, and the top-k kernel's phase trace.
 # "ncu" (only when named: not part of "all") runs Nsight Compute on the
@@ -10,6 +10,11 @@
 # the section summary, then the stall samples instruction by instruction (ncu_source.*).
 # "bounds" times the public ops with this tree and with the tree in .baseline/ (copy
 # the code before a change there: git archive <rev> cpsparse | tar -x -C .baseline).
+# "ab" (only when named: not part of "all") is the A/B of a kernel change: bench_peers,
+# with the arguments after "--" (e.g. -- --rounds 2 --only indexer_decode), on the tree in
+# .baseline/ (its own benchmarks: git archive <rev> cpsparse benchmarks | tar -x -C
+# .baseline), then on this tree, each against the peer in its own process, then
+# bench_peers --compare (kernel medians, and each side's speedup over its peer).
 # "bench" takes benchmark module names after "--"; "peers" passes them to bench_peers
 # (e.g. -- --only mla_decode). The peers (DeepGEMM, FlashMLA) build in the background
 # from .peers/ (copied from shared/peers/, carried) while the tests run; the build
@@ -26,7 +31,9 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do steps+=("$1"); shift; done
 want() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
 status=0
 PEERS_DIR=/tmp/peers
-if want peers && [ -f .peers/build.sh ] && [ ! -s "$PEERS_DIR/built" ] && ! pgrep -f "build.sh .peers" > /dev/null; then
+ab_step=0
+printf '%s\n' "${steps[@]}" | grep -qx ab && ab_step=1
+if { want peers || [ $ab_step = 1 ]; } && [ -f .peers/build.sh ] && [ ! -s "$PEERS_DIR/built" ] && ! pgrep -f "build.sh .peers" > /dev/null; then
     echo "== peers: building in the background (log $OUT/peers_build.log)"
     setsid bash .peers/build.sh .peers/peers.tar.xz "$PEERS_DIR" > "$OUT/peers_build.log" 2>&1 < /dev/null &
 fi
@@ -74,6 +81,12 @@ if want profile; then
     timeout 120 python3 -m benchmarks.profile_attention trace 2>&1 \
         | tee "$OUT/profile_attention_trace.log" | tail -10
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    # The ws decode scoring kernel's first item, CTA by CTA (clock64 stamps): B=1 x 32K,
+    # where a launch is its start-up, and B=64 x 32K.
+    { timeout 120 python3 -m benchmarks.profile_indexer trace 1 32768 1 \
+          && timeout 120 python3 -m benchmarks.profile_indexer trace 64 32768 1; } 2>&1 \
+        | tee "$OUT/profile_indexer_trace.log" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     # The top-k kernel's phases (clock64 stamps a CTA), normal and low-contrast rows.
     timeout 200 python3 -m benchmarks.profile_topk 2>&1 | tee "$OUT/profile_topk.log" | tail -8
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -117,6 +130,22 @@ if want peers; then
         | tee "$OUT/bench_peers.log" | tail -60
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     cp "$PEERS_DIR"/*.log "$OUT/" 2>/dev/null
+fi
+if [ $ab_step = 1 ]; then
+    if [ -d .baseline/cpsparse ] && [ -d .baseline/benchmarks ]; then
+        echo "== ab: benchmarks.bench_peers $* on .baseline, then on this tree"
+        mkdir -p "$OUT/ab_base" "$OUT/ab_new"
+        (cd .baseline && OUT="$OUT/ab_base" PYTHONPATH=$PWD python3 -m benchmarks.bench_peers \
+            --peers-dir "$PEERS_DIR" "$@") > "$OUT/ab_base.log" 2>&1 || status=1
+        OUT="$OUT/ab_new" python3 -m benchmarks.bench_peers --peers-dir "$PEERS_DIR" "$@" \
+            > "$OUT/ab_new.log" 2>&1 || status=1
+        python3 -m benchmarks.bench_peers --compare "$OUT/ab_base/peers.json" \
+            "$OUT/ab_new/peers.json" 2>&1 | tee "$OUT/ab.txt" || status=1
+    else
+        echo "== ab: .baseline/ lacks cpsparse/ or benchmarks/ (git archive <rev> cpsparse" \
+             "benchmarks | tar -x -C .baseline): skipped"
+        status=1
+    fi
 fi
 # The device tool brings back at most 8 files from $OUT: past that, everything goes into
 # one archive and the main results stay beside it.

@@ -1185,7 +1185,10 @@ CPS_MQA_WS_KERNEL(cps_mqa_logits_ws_h64, 64)
 //     page's 8 KB of codes (MXFP4: 4 KB) and 256 B of scales by 16- / 4-byte cp.async,
 //     and a mask of the stage's missing pages (never read; their keys score -inf); then
 //     -inf outside the visited keys of the item. An item past every row's context is
-//     only that fill (the math warpgroups never see it). After the last item a slot
+//     only that fill (the math warpgroups never see it). clean = 0 (DeepGEMM's
+//     clean_logits=False: the caller's top-k reads only the rows' windows): no fill, an
+//     item past every row's context is nothing; positions past a row's window end inside
+//     the visited keys are still -inf. After the last item a slot
 //     whose request is -1 tells the math warpgroups to stop.
 //   math warpgroup g: page g of each stage, the products and the _h64 epilogue of the
 //     prefill kernel (bit-identical logits to cps_paged_mqa_logits_*); MXFP4 keys: the
@@ -1433,7 +1436,7 @@ __device__ __forceinline__ void cps_paged_ws_body(
         const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w,
         const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,
         int num_blocks, float* __restrict__ out, int width, int H, int batch,
-        int piece_stages) {
+        int piece_stages, int clean) {
     constexpr int HPC = 64, NC = NN * HPC;
     // A page: 64 keys' codes (fp8: 128 bytes a key; MXFP4: 64 bytes of packed e2m1), then
     // their 4-byte scales (a float32; MXFP4: 4 ue8m0 bytes, one a group of 32).
@@ -1554,8 +1557,11 @@ __device__ __forceinline__ void cps_paged_ws_body(
             }
             if (nst == 0) {                             // past every row's context: -inf
                 ids_ready = false;                      // (the next item is another)
-                for (int r = 0; r < NN; ++r)
-                    cps_fill_neg_inf<128>(out + (row0 + r) * (long long)width, own_lo, own_hi, ptid);
+                if (clean) {
+                    for (int r = 0; r < NN; ++r)
+                        cps_fill_neg_inf<128>(out + (row0 + r) * (long long)width, own_lo,
+                                              own_hi, ptid);
+                }
                 continue;
             }
             const int qs = it & 1;
@@ -1653,10 +1659,13 @@ __device__ __forceinline__ void cps_paged_ws_body(
                     cps_mbar_arrive(kfull + 8 * st);
                 }
             }
-            // -inf outside the visited keys of the item (the math warpgroups write the rest).
-            for (int r = 0; r < NN; ++r) {
-                float* row = out + (row0 + r) * (long long)width;
-                cps_fill_neg_inf<128>(row, t_hi, own_hi, ptid);
+            // -inf outside the visited keys of the item (the math warpgroups write the rest):
+            // past every row's window end (t_hi covers the longest row's).
+            if (clean) {
+                for (int r = 0; r < NN; ++r) {
+                    float* row = out + (row0 + r) * (long long)width;
+                    cps_fill_neg_inf<128>(row, t_hi, own_hi, ptid);
+                }
             }
             ++it;
         }
@@ -1783,10 +1792,10 @@ __device__ __forceinline__ void cps_paged_ws_body(
     NAME(const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w, \
          const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,  \
          int num_blocks, float* __restrict__ out, int width, int H, int batch,                \
-         int piece_stages) {                                                                  \
+         int piece_stages, int clean) {                                                       \
         CPS_PDL_ENTRY();                                                                      \
         cps_paged_ws_body<NN, FP4, S>(q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks,    \
-                                      out, width, H, batch, piece_stages);                    \
+                                      out, width, H, batch, piece_stages, clean);             \
     }
 CPS_PAGED_WS_KERNEL(cps_paged_mqa_logits_ws_h64n1, 1, false, CPS_IDX_WS_STAGES)
 CPS_PAGED_WS_KERNEL(cps_paged_mqa_logits_ws_h64n2, 2, false, CPS_IDX_WS_STAGES)

@@ -122,8 +122,8 @@ MQA_ARGS = "PPPPPPP iiiii"
 # next_n, H, hp, nch, bs_shift, piece_tiles
 PAGED_ARGS = "PPPP i P ii P iiiiiii"
 # cps_paged_mqa_logits_[fp4_]ws_h64n*: q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out,
-# width, H, batch, piece_stages
-PAGED_WS_ARGS = "PPPP i P ii P iiii"
+# width, H, batch, piece_stages, clean
+PAGED_WS_ARGS = "PPPP i P ii P iiiii"
 
 PATHS = ("wgmma", "mma")
 # "wgmma" or "mma"; CPSPARSE_INDEXER_PATH overrides (wgmma needs compute capability 9.0).
@@ -400,7 +400,8 @@ def supports_paged(q_codes, cache_data, plan):
 
 
 def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max_context_len,
-                     out=None, path=None, piece_tiles=None, plan=None, ctas=None):
+                     out=None, path=None, piece_tiles=None, plan=None, ctas=None,
+                     clean_logits=True):
     """float32 [B * next_n, max_context_len] decode logits over the paged key cache.
 
     The caller checked :func:`supports_paged`. ``piece_tiles`` (64-key tiles per CTA;
@@ -408,6 +409,8 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
     plan (benchmarks, tests). ``ctas``: CTAs of the persistent
     warp-specialized kernel (:func:`uses_ws_decode`), default one an SM (tests use fewer,
     so that each CTA runs through many pieces and wraps its rings many times).
+    ``clean_logits`` False: the warp-specialized kernels leave positions past every row's
+    window end unwritten (the other kernels write ``-inf`` there still).
     """
     batch, next_n, heads, dim = q_codes.shape
     width = int(max_context_len)
@@ -423,7 +426,7 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
     variant, nc, nch, hp, stages, pt, pieces = plan
     if variant == "ws":
         return _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out,
-                         fn, pt, piece_tiles, ctas)
+                         fn, pt, piece_tiles, ctas, clean_logits)
     if piece_tiles is not None:
         pt = max(1, min(int(piece_tiles), (BT_CAP - 1) * cache.block_size // TILE))
         tiles_w = -(-width // TILE)
@@ -451,11 +454,12 @@ def paged_mqa_logits(cp, q_codes, cache, weights, context_lens, block_table, max
 
 
 def _ws_launch(cp, fn, batch, next_n, heads, width, fp4, piece_stages, lens_2d, cols,
-               num_blocks, ctas=None):
+               num_blocks, ctas=None, clean_logits=True):
     """``launch(q_codes, cache_data, weights, context_lens, block_table, out=None) -> out``:
     the warp-specialized decode kernel ``fn`` (:func:`ws_decode_plan`) with every argument
     that follows from the shapes fixed (int32 index arrays; ``out`` None: allocated), items
-    of at most ``piece_stages`` stages. :func:`ws_grid` CTAs, or ``ctas``."""
+    of at most ``piece_stages`` stages. :func:`ws_grid` CTAs, or ``ctas``.
+    ``clean_logits`` False: positions past every row's window end are left unwritten."""
     grid = ws_grid(batch, width, raw_kernels.device_facts().sms) if ctas is None else int(ctas)
     launch = fn.launcher((grid,), (WS_THREADS,), WSD_SMEM[fp4])
     shape = (batch * next_n, width)
@@ -464,12 +468,12 @@ def _ws_launch(cp, fn, batch, next_n, heads, width, fp4, piece_stages, lens_2d, 
         if out is None:
             out = raw_kernels.empty(cp, shape, cp.float32)
         launch((q_codes, cache_data, weights, context_lens, lens_2d, block_table, cols,
-                num_blocks, out, width, heads, batch, piece_stages))
+                num_blocks, out, width, heads, batch, piece_stages, int(clean_logits)))
         return out
     return run
 
 
-def call_launch(cp, q_codes, cache, context_lens, block_table, width):
+def call_launch(cp, q_codes, cache, context_lens, block_table, width, clean_logits=True):
     """``(device, run)`` for the public op's call memo (see
     :func:`cpsparse.raw_kernels.topk.call_launch`): the warp-specialized decode launch of
     this call's shape on the current device (:func:`_ws_launch`), or None where the call
@@ -490,7 +494,8 @@ def call_launch(cp, q_codes, cache, context_lens, block_table, width):
     if plan is None or plan[0] != "ws":
         return None
     launch = _ws_launch(cp, fn, batch, next_n, heads, width, fp4, plan[5] // WS_MATH,
-                        int(context_lens.ndim == 2), block_table.shape[1], cache.num_blocks)
+                        int(context_lens.ndim == 2), block_table.shape[1], cache.num_blocks,
+                        clean_logits=clean_logits)
 
     def run(q_codes, cache_data, weights, context_lens, block_table):
         if q_codes.data.ptr % 16 or cache_data.data.ptr % 16:
@@ -500,7 +505,7 @@ def call_launch(cp, q_codes, cache, context_lens, block_table, width):
 
 
 def _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out, fn, pt,
-              piece_tiles=None, ctas=None):
+              piece_tiles=None, ctas=None, clean_logits=True):
     """The warp-specialized decode launch (plan of :func:`ws_decode_plan`: items of ``pt``
     tiles at most, or ``piece_tiles``)."""
     if ctas is not None and int(ctas) < 1:
@@ -513,5 +518,5 @@ def _paged_ws(cp, q_codes, cache, weights, context_lens, block_table, width, out
     block_table = index_i32(cp, block_table)
     launch = _ws_launch(cp, fn, batch, next_n, heads, width, cache.dtype == "mxfp4",
                         piece_stages, int(context_lens.ndim == 2), block_table.shape[1],
-                        cache.num_blocks, ctas)
+                        cache.num_blocks, ctas, clean_logits)
     return launch(q_codes, cache.data, weights, context_lens, block_table, out)
