@@ -27,7 +27,8 @@ without it ncu locks the SMs near 1.3 GHz.
 ``python3 -m benchmarks.profile_indexer trace [B CTX NEXT_N]`` (default 1 32768 1; ``bash
 tools/gpu_check.sh profile`` runs it) instead launches the fp8 ws decode kernel with
 clock64 stamps (TRACE) and prints, as medians over the CTAs, when each CTA's producer had
-its share and issued its first stage's copies, when math warpgroup 0 saw the query slot
+its share, stored the guessed page ids, issued the query block's and the first stage's
+copies, when math warpgroup 0 saw the query slot
 and the first stage full, finished its first item and left, and when the producer left,
 all in us after the CTA's entry; and the spread of the CTAs' entries (globaltimer): where
 a B=1 launch (4.3-4.4 us on an H100, DeepGEMM's 3.9-4.1) spends its time.
@@ -180,7 +181,7 @@ def launch():
 # (ptid 0) and of math warpgroup 0 (tid 0); the launch's globaltimer at each CTA's entry.
 TRACE_CTAS = 132
 TRACE_EVENTS = ("entry", "share_done", "first_copies", "math_q_full", "math_k_full",
-                "math_first_item", "math_exit", "producer_exit")
+                "math_first_item", "math_exit", "producer_exit", "ids_stored", "q_issued")
 TRACE = [
     ("constexpr int CPS_IDX_WSD_ENDS_CAP = CPS_IDX_WS_THREADS;",
      f"__device__ long long cps_wsd_trace[{TRACE_CTAS}][{len(TRACE_EVENTS)}];\n"
@@ -218,6 +219,20 @@ TRACE = [
     ("        cps_mbar_arrive(bar + 16 + 8 * qs);\n    }\n}\n\n// _h64n1 / _h64n2",
      "        if (tid == 0 && it == 0) cps_wsd_trace_at(5);\n"
      "        cps_mbar_arrive(bar + 16 + 8 * qs);\n    }\n}\n\n// _h64n1 / _h64n2"),
+    ("            s_bt[ptid + 128] = (u32)gid1 < (u32)num_blocks ? gid1 : -1;\n        }\n",
+     "            s_bt[ptid + 128] = (u32)gid1 < (u32)num_blocks ? gid1 : -1;\n"
+     "            if (ptid == 0) cps_wsd_trace_at(8);\n        }\n"),
+    ("            if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);   // (after the metadata stores)\n"
+     "            for (int j = 0; j < nst; ++j, ++kv) {\n"
+     "                const int st = (int)(kv % S);\n"
+     "                cps_mbar_wait(kempty + 8 * st, ((kv / S) & 1) ^ 1);\n"
+     "                const int t0 = own_lo + j * CPS_IDX_WS_KEYS;\n",
+     "            if (ptid == 0 && it == 0) cps_wsd_trace_at(9);\n"
+     "            if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);   // (after the metadata stores)\n"
+     "            for (int j = 0; j < nst; ++j, ++kv) {\n"
+     "                const int st = (int)(kv % S);\n"
+     "                cps_mbar_wait(kempty + 8 * st, ((kv / S) & 1) ^ 1);\n"
+     "                const int t0 = own_lo + j * CPS_IDX_WS_KEYS;\n"),
     ("        if (ptid == 0) meta[qs].req = -1;\n",
      "        if (ptid == 0) meta[qs].req = -1;\n"
      "        if (ptid == 0) cps_wsd_trace_at(7);\n"),
