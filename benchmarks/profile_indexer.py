@@ -146,27 +146,45 @@ def source_summary(report, top=8):
     return "\n".join(lines)
 
 
+BLOCK, DIM, HEADS = 64, 128, 64
+
+
+def _decode_case(cp, batch, ctx, mxfp4=False):
+    """The keys of ``batch`` full contexts of ``ctx`` as fp8 pages (and the same keys as
+    MXFP4 pages, or None) in a random page order, and ``queries(next_n)`` -> (lens, q8,
+    w, out): bench_peers' random inputs."""
+    import cpsparse as cps
+    from benchmarks import bench_peers as bp
+
+    pages = batch * (ctx // BLOCK)
+    fp8 = cps.IndexerKCache(pages, BLOCK, DIM, xp=cp)
+    fp4 = cps.IndexerKCache(pages, BLOCK, DIM, xp=cp, dtype="mxfp4") if mxfp4 else None
+    if mxfp4:
+        bp._fill_indexer_mxfp4(cp, fp4.data, fp8.data)
+    else:
+        bp._fill_indexer(cp, fp8.data)
+    table = cp.random.permutation(pages).astype(cp.int32).reshape(batch, -1)
+
+    def queries(next_n):
+        return (bp._decode_lens(cp, batch, ctx, next_n),
+                bp._codes(cp, (batch, next_n, HEADS, DIM)),
+                cp.random.standard_normal((batch * next_n, HEADS), dtype=cp.float32),
+                cp.empty((batch * next_n, ctx), cp.float32))
+    return fp8, fp4, table, queries
+
+
 def launch():
     """Each ws decode kernel once on B=64 x 32K (fp8 and MXFP4 pages of the same keys)."""
     import cupy as cp
 
-    import cpsparse as cps
-    from benchmarks import bench_peers as bp
     from cpsparse.raw_kernels import indexer as ki
 
-    block, dim, heads, batch, ctx = 64, 128, 64, 64, 32768
-    pages = batch * (ctx // block)
-    fp8 = cps.IndexerKCache(pages, block, dim, xp=cp)
-    fp4 = cps.IndexerKCache(pages, block, dim, xp=cp, dtype="mxfp4")
-    bp._fill_indexer_mxfp4(cp, fp4.data, fp8.data)
-    table = cp.random.permutation(pages).astype(cp.int32).reshape(batch, -1)
+    batch, ctx = 64, 32768
+    fp8, fp4, table, queries = _decode_case(cp, batch, ctx, mxfp4=True)
     for next_n in (1, 2):
-        lens = bp._decode_lens(cp, batch, ctx, next_n)
-        q8 = bp._codes(cp, (batch, next_n, heads, dim))
-        w = cp.random.standard_normal((batch * next_n, heads), dtype=cp.float32)
-        out = cp.empty((batch * next_n, ctx), cp.float32)
+        lens, q8, w, out = queries(next_n)
         for cache in (fp8, fp4):
-            plan = ki.paged_plan(batch, next_n, heads, dim, ctx, block,
+            plan = ki.paged_plan(batch, next_n, HEADS, DIM, ctx, BLOCK,
                                  fp4=cache.dtype == "mxfp4")
             if plan[2].name != ki.ws_kernel_name(next_n, cache.dtype == "mxfp4"):
                 raise RuntimeError(f"the plan picked {plan[2].name}, not a ws kernel")
@@ -268,24 +286,15 @@ def trace(batch=1, ctx=32768, next_n=1):
     trace_summary; returns it."""
     import cupy as cp
 
-    import cpsparse as cps
-    from benchmarks import bench_peers as bp
     from benchmarks import harness
     from cpsparse import raw_kernels
     from cpsparse.raw_kernels import indexer as ki
 
-    block, dim, heads = 64, 128, 64
-    pages = batch * (ctx // block)
-    cache = cps.IndexerKCache(pages, block, dim, xp=cp)
-    bp._fill_indexer(cp, cache.data)
-    table = cp.random.permutation(pages).astype(cp.int32).reshape(batch, -1)
-    lens = bp._decode_lens(cp, batch, ctx, next_n)
-    q8 = bp._codes(cp, (batch, next_n, heads, dim))
-    w = cp.random.standard_normal((batch * next_n, heads), dtype=cp.float32)
-    out = cp.empty((batch * next_n, ctx), cp.float32)
+    cache, _, table, queries = _decode_case(cp, batch, ctx)
+    lens, q8, w, out = queries(next_n)
     src = trace_source(raw_kernels.module_source("indexer"))
     with harness.module_source_override("indexer", src, ki._PLANS, ki._PREFILL_LAUNCHES):
-        plan = ki.paged_plan(batch, next_n, heads, dim, ctx, block)
+        plan = ki.paged_plan(batch, next_n, HEADS, DIM, ctx, BLOCK)
         if plan[2].name != ki.ws_kernel_name(next_n, False):
             raise RuntimeError(f"the plan picked {plan[2].name}, not a ws kernel")
         for _ in range(5):
