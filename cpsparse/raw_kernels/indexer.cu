@@ -1295,6 +1295,14 @@ __device__ __forceinline__ int cps_wsd_kept_end(const int* __restrict__ lens, in
                                          : cps_wsd_row_end<NN>(lens, lens_2d, b, r, width);
 }
 
+// The first stage position of CTA c's share of a full batch, every stage weighing
+// CPS_IDX_WSD_KEY_WEIGHT (T = batch U KEY_WEIGHT, with G T inside 32 bits: the caller's
+// guess checks it): ceil(floor(c T / G) / KEY_WEIGHT), the cut cps_wsd_share's search would
+// find. The page-id guess and a full batch's share both take theirs from here.
+__device__ __forceinline__ int cps_wsd_full_cut(unsigned c, unsigned T) {
+    return (int)((c * T / gridDim.x + CPS_IDX_WSD_KEY_WEIGHT - 1) / CPS_IDX_WSD_KEY_WEIGHT);
+}
+
 // This CTA's share of a decode batch: the stage positions [p_lo, p_hi) (request b's
 // stage s at b U + s) whose weights (cps_wsd_weight) start at or after blockIdx.x /
 // gridDim.x of the batch's total, up to the next CTA's. The CTAs' shares tile
@@ -1487,9 +1495,7 @@ __device__ __forceinline__ void cps_paged_ws_body(
         }
         int gpos = -1, gid0 = -1, gid1 = -1;
         if (guess) {
-            const unsigned T = (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT;
-            const unsigned x = blockIdx.x * T / gridDim.x;
-            gpos = (int)((x + CPS_IDX_WSD_KEY_WEIGHT - 1) / CPS_IDX_WSD_KEY_WEIGHT);
+            gpos = cps_wsd_full_cut(blockIdx.x, (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT);
             const int gb = (int)((unsigned)gpos / (unsigned)U), gs0 = gpos - gb * U;
             if (gb < batch) {
                 const int* bt_row = bt + (long long)gb * bt_cols;
@@ -1515,10 +1521,8 @@ __device__ __forceinline__ void cps_paged_ws_body(
         int pos, p_end;
         if (full) {
             const unsigned T = (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT;
-            pos = (int)((blockIdx.x * T / gridDim.x + CPS_IDX_WSD_KEY_WEIGHT - 1)
-                        / CPS_IDX_WSD_KEY_WEIGHT);
-            p_end = (int)(((blockIdx.x + 1) * T / gridDim.x + CPS_IDX_WSD_KEY_WEIGHT - 1)
-                          / CPS_IDX_WSD_KEY_WEIGHT);
+            pos = cps_wsd_full_cut(blockIdx.x, T);
+            p_end = cps_wsd_full_cut(blockIdx.x + 1, T);
         } else {
             pos = (int)share[CPS_IDX_WSD_SHARE_THREADS / 32];
             p_end = (int)share[CPS_IDX_WSD_SHARE_THREADS / 32 + 1];
