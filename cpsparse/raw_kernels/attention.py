@@ -57,13 +57,16 @@ SMEM_BYTES = 230912 + 1024
 # epilogue) is a few tiles' worth, so shorter shares stop paying.
 MAX_SPLITS = 64                 # ATT_MAX_SPLITS
 MIN_TILES_PER_SPLIT = 2
+# cps_mla_combine: one CTA a (token, head) row, two float2 value columns a thread.
+COMBINE_THREADS = 128           # ATT_COMBINE_THREADS
 
 raw_kernels.register_module(
     "attention", ["common.cuh", "hopper.cuh", "attention.cu"], capabilities=raw_kernels.exactly((9, 0)),
     ops=("sparse_mla_attention", "dense_mla_attention", "local_to_global_slots"),
     needs="Hopper wgmma, compiled for sm_90a", pdl=True,
     defines=dict(ATT_WS_THREADS=WS_THREADS, ATT_DEC_THREADS=DEC_THREADS, ATT_SMEM_BYTES=SMEM_BYTES,
-                 ATT_MAX_SPLITS=MAX_SPLITS, ATT_REC_BYTES=RECORD_BYTES,
+                 ATT_MAX_SPLITS=MAX_SPLITS, ATT_COMBINE_THREADS=COMBINE_THREADS,
+                 ATT_REC_BYTES=RECORD_BYTES,
                  # the MODEL1 page layout (cpsparse.reference.cache owns it)
                  ATT_M1_NOPE=cache_layout.MODEL1_NOPE, ATT_M1_ROW=cache_layout.MODEL1_ROW,
                  ATT_M1_SCALE_BYTES=cache_layout.MODEL1_SCALES + 1))
@@ -183,7 +186,7 @@ def prepare(cp, tokens, heads, topk, fp8, dense, sm_scale, d_v, splits=None):
                                                    sm_scale, splits)
     launch = fn.launcher((units * splits,), (DEC_THREADS if fp8 else WS_THREADS,),
                          SMEM_BYTES)
-    merge = None if combine is None else combine.launcher((tokens * heads,), (128,))
+    merge = None if combine is None else combine.launcher((tokens * heads,), (COMBINE_THREADS,))
     out_shape, lse_shape = (tokens, heads, d_v), (tokens, heads)
 
     def run(q, q_half, kv, num_slots, indices, row_start, row_len, sink):
@@ -260,7 +263,8 @@ def _partials(cp, tokens, heads, splits, d_v):
 
 def _combine(cp, combine, part, out, lse, sink, splits, d_v, heads):
     if combine is not None:
-        combine((out.shape[0] * heads,), (128,), (part, out, lse, sink, splits, d_v, heads))
+        combine((out.shape[0] * heads,), (COMBINE_THREADS,),
+                (part, out, lse, sink, splits, d_v, heads))
 
 
 def supports_model1(q_shape, d_v):
