@@ -443,6 +443,9 @@ __device__ __forceinline__ void att_produce_fp8(const u8* __restrict__ kv,
     int raw1 = att_entry(irow, nk_end, (t_first + 1) * 64 + mine);
     int raw2 = att_entry(irow, nk_end, (t_first + 2) * 64 + mine);
     att_load_pass(a, kv, slot, lane);
+    // The loop pulls tile t + 2's records into L2; tile t_first + 1's are pulled here, or
+    // a short split-KV share (two tiles at B=1) loads them from HBM after its first tile.
+    att_prefetch_record(kv, att_slot_checked(raw1, num_slots), lane >> 3);
     for (int t = t_first; t < t_end; ++t) {
         const int buf = (t - t_first) & 1;
         const u32 sk = base + ATT_OFF_K + buf * ATT_TILE;
