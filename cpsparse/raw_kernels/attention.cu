@@ -1639,15 +1639,19 @@ cps_sparse_mla_model1(const void* __restrict__ q, int q_half,
 // lse_s = -inf and weight 0; a row with none at all ends with out = 0, lse = -inf
 // as in one pass; a NaN partial lse (a NaN score) makes the row NaN. An attention
 // sink [H] (or nullptr) scales out by att_sink_factor of the merged lse.
-// A small decode batch waits on this kernel's latency, not its bytes (B=1, H=128: 16
-// splits of 2 KB a row), so every load is issued at once: warp 0 reads the row's partial
-// lse a lane a split (one round trip, not one a split), and every thread first issues
-// its columns' partial rows of the first ATT_COMBINE_CHUNK splits, which travel while the
-// weights are computed. Each output column sums its splits in split order.
+// Two kernels, the same arithmetic; the launcher picks by the number of rows.
+// cps_mla_combine_few_rows: a small decode batch waits on the merge's latency, not its
+// bytes (B=1, H=128: 128 rows of 16 splits of 2 KB), so every load is issued at once:
+// warp 0 reads the row's partial lse a lane a split (one round trip, not one a split),
+// and every thread first issues its columns' partial rows of the first ATT_COMBINE_CHUNK
+// splits, which travel while the weights are computed (151 registers: 3 CTAs an SM).
+// cps_mla_combine: a few registers, one load at a time, 16 CTAs an SM overlapping each
+// other's round trips: faster once the rows are several waves of the first (B=8).
+// Each output column sums its splits in split order.
 #define ATT_COMBINE_CHUNK 16
 static_assert(2 * ATT_COMBINE_THREADS * 2 >= ATT_DV, "two float2 value columns a thread");
 extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS)
-cps_mla_combine(const float* __restrict__ part_out, float* __restrict__ out,
+cps_mla_combine_few_rows(const float* __restrict__ part_out, float* __restrict__ out,
                 float* __restrict__ lse, const float* __restrict__ sink, int splits, int d_v,
                 int H) {
     CPS_PDL_WAIT();
@@ -1723,6 +1727,46 @@ cps_mla_combine(const float* __restrict__ part_out, float* __restrict__ out,
             reinterpret_cast<float2*>(out + row * d_v)[c] = nan ? make_float2(qnan, qnan) : acc[k];
     }
     if (tid == 0) lse[row] = nan ? qnan : row_lse;
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS)
+cps_mla_combine(const float* __restrict__ part_out, float* __restrict__ out,
+                float* __restrict__ lse, const float* __restrict__ sink, int splits, int d_v,
+                int H) {
+    CPS_PDL_WAIT();
+    __shared__ float weight[ATT_MAX_SPLITS];
+    __shared__ float row_lse;
+    __shared__ int row_nan;
+    const size_t row = blockIdx.x;
+    if (threadIdx.x == 0) {
+        const float* pl = part_out + (size_t)gridDim.x * splits * d_v + row * splits;
+        float mx = ATT_NEG_INF;
+        bool nan = false;
+        for (int s = 0; s < splits; ++s) {
+            const float v = pl[s];
+            nan |= v != v;
+            mx = fmaxf(mx, v);
+        }
+        float total = 0.f;
+        for (int s = 0; s < splits; ++s) {
+            weight[s] = mx == ATT_NEG_INF ? 0.f : expf(pl[s] - mx);
+            total += weight[s];
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        row_lse = mx == ATT_NEG_INF ? ATT_NEG_INF : mx + logf(total);
+        const float f = att_sink_factor(sink, (int)(row % (size_t)H), row_lse);
+        for (int s = 0; s < splits; ++s) weight[s] *= inv * f;
+        row_nan = nan;
+    }
+    __syncthreads();
+    const float* po = part_out + row * splits * d_v;
+    const bool nan = row_nan != 0;
+    for (int c = threadIdx.x; c < d_v; c += blockDim.x) {
+        float acc = 0.f;
+        for (int s = 0; s < splits; ++s) acc += weight[s] * __ldg(po + (size_t)s * d_v + c);
+        out[row * d_v + c] = nan ? __int_as_float(0x7fc00000) : acc;
+    }
+    if (threadIdx.x == 0) lse[row] = nan ? __int_as_float(0x7fc00000) : row_lse;
 }
 
 // Dense workspace -> bf16 bit patterns (round to nearest even).

@@ -57,8 +57,14 @@ SMEM_BYTES = 230912 + 1024
 # epilogue) is a few tiles' worth, so shorter shares stop paying.
 MAX_SPLITS = 64                 # ATT_MAX_SPLITS
 MIN_TILES_PER_SPLIT = 2
-# cps_mla_combine: one CTA a (token, head) row, two float2 value columns a thread.
+# The split-KV merge: one CTA a (token, head) row (ATT_COMBINE_THREADS). Up to
+# COMBINE_FEW_ROWS_PER_SM rows an SM, cps_mla_combine_few_rows (every load of a row in
+# flight at once, 3 CTAs an SM), past it cps_mla_combine (16 CTAs an SM, one load at a
+# time each). Attention + merge replayed in a graph on the H200, 128 heads, the first
+# against the second: B=1 (128 rows) 15.5 against 19.4 us, B=4 (512) 22.7 against 24.2,
+# B=8 (1024) 29.7 against 27.9 (docs/performance.md, "The split-KV merge").
 COMBINE_THREADS = 128           # ATT_COMBINE_THREADS
+COMBINE_FEW_ROWS_PER_SM = 4
 
 raw_kernels.register_module(
     "attention", ["common.cuh", "hopper.cuh", "attention.cu"], capabilities=raw_kernels.exactly((9, 0)),
@@ -136,6 +142,13 @@ def choose_splits(units, tiles, sms):
     return -(-tiles // per_split)
 
 
+def combine_kernel_name(rows, sms):
+    """The split-KV merge kernel for ``rows`` (token, head) rows on ``sms`` SMs (see
+    COMBINE_FEW_ROWS_PER_SM)."""
+    return "cps_mla_combine_few_rows" if rows <= COMBINE_FEW_ROWS_PER_SM * sms \
+        else "cps_mla_combine"
+
+
 _PLANS: dict[Any, Any] = {}
 
 
@@ -155,7 +168,8 @@ def _plan(tokens, heads, topk, kind, dense, sm_scale, splits):
             raise ValueError(f"Invalid splits: expected 1 <= splits <= {MAX_SPLITS}, "
                              f"got {splits}")
         combine = None if splits == 1 else raw_kernels.kernel(
-            "attention", "cps_mla_combine", COMBINE_ARGS)
+            "attention", combine_kernel_name(tokens * heads, raw_kernels.device_facts().sms),
+            COMBINE_ARGS)
         fn = (raw_kernels.kernel("attention", "cps_sparse_mla_model1", MODEL1_ARGS, SMEM_BYTES)
               if kind == "model1" else _attention_kernel(kind == "fp8"))
         plan = (units, splits, fn, combine, float(numpy.float32(sm_scale * math.log2(math.e))))
