@@ -3,7 +3,7 @@
 // One CTA per (query token, group of 64 heads, split): with splits > 1 (split-KV
 // decoding, chosen by the launcher when the units would leave SMs idle) each CTA
 // takes an equal share of the token's key tiles and writes a normalised partial row
-// and its lse, merged by cps_mla_combine at the end of this file. Every kernel runs
+// and its lse, merged by cps_mla_combine(_few_rows) at the end of this file. Every kernel runs
 // a producer warpgroup (two in the fp8 decode: 512 threads, the others 384) that fills
 // two K buffers of bf16 [64 keys x 576] in shared memory with the token's keys (top-k
 // slots, or a causal range for the dense route), and two math warpgroups:

@@ -14,8 +14,10 @@ extra cache (the sliding window) in the same softmax, the attention sink
 Split-KV decoding: when the (token, head group) units would leave SMs idle (small
 decode batches), each unit's key tiles are shared among several CTAs
 (:func:`choose_splits`, a function of the shapes and the SM count: graph-safe),
-whose partial rows and lse are merged by ``cps_mla_combine``; B=1, H=128 runs 32
-CTAs instead of 2 (126 us -> 25 us on the H200, ``benchmarks/bench_splits.py``).
+whose partial rows and lse are merged by ``cps_mla_combine_few_rows`` (few rows: every
+load in flight at once) or ``cps_mla_combine`` (:func:`combine_kernel_name`); B=1, H=128
+runs 32 CTAs instead of 2 (126 us -> 25 us on the H200, ``benchmarks/bench_splits.py``;
+15 us since the few-rows merge).
 
 Precision: queries and keys enter the tensor cores as bf16 (round to nearest
 even), products accumulate in fp32, probabilities are rounded to bf16 for P V.
