@@ -77,9 +77,9 @@ _LOCAL = ("    return j < nk ? __ldg(irow + j) : -1;", "    return j < nk ? (j &
 # shared-memory traffic stay), halfprod does not.
 _HALF_LOAD = ("        att_load_pass(a, kv, next, lane);\n",
               "        if (pw < 4) att_load_pass(a, kv, next, lane);\n")
-_HALF_LOAD0 = ("    att_load_pass(a, kv, slot, lane);\n    for (int t = t_first; t < t_end; ++t) {\n",
+_HALF_LOAD0 = ("    att_load_pass(a, kv, slot, lane);\n    // The loop pulls tile t + 2",
                "    a = AttPass{};\n    if (pw < 4) att_load_pass(a, kv, slot, lane);\n"
-               "    for (int t = t_first; t < t_end; ++t) {\n")
+               "    // The loop pulls tile t + 2")
 _HALF_STORE = ("        att_store_pass<32, true>(a, sk, row0, lane);\n",
                "        if (pw < 4) att_store_pass<32, true>(a, sk, row0, lane);\n")
 VARIANTS = {
@@ -89,7 +89,8 @@ VARIANTS = {
     "nopv": [_DEC_PV0, _DEC_PV1],
     "nodeq": [_NODEQ],
     "localslots": [_LOCAL],
-    "noprod": [(_HALF_LOAD0[0], "    for (int t = t_first; t < t_end; ++t) {\n"),
+    "noprod": [(_HALF_LOAD0[0], "    // The loop pulls tile t + 2"),
+               ("    att_prefetch_record(kv, att_slot_checked(raw1, num_slots), lane >> 3);\n", ""),
                ("        att_copy_rope(kv, slot, sk, row0, lane);\n", ""),
                ("        att_store_pass<32, true>(a, sk, row0, lane);\n", ""),
                ("        att_prefetch_record(kv, att_slot_checked(raw2, num_slots), lane >> 3);\n",

@@ -480,6 +480,18 @@ def test_split_kv_schedule():
                 assert units * s <= 132
 
 
+def test_split_kv_merge_kernel_by_rows():
+    """The merge keeps every load of a row in flight (cps_mla_combine_few_rows) up to
+    COMBINE_FEW_ROWS_PER_SM rows an SM, where it was measured faster (B=1, 2, 4 x 128
+    heads on 132 SMs), and the lean kernel past it (B=8 x 128 heads)."""
+    from cpsparse.raw_kernels import attention as katt
+    few, lean = "cps_mla_combine_few_rows", "cps_mla_combine"
+    assert [katt.combine_kernel_name(b * 128, 132) for b in (1, 2, 4, 8)] == [few] * 3 + [lean]
+    limit = katt.COMBINE_FEW_ROWS_PER_SM * 132
+    assert katt.combine_kernel_name(limit, 132) == few
+    assert katt.combine_kernel_name(limit + 1, 132) == lean
+
+
 def test_dense_rows_kernel_takes_positive_scales_only():
     """The dense-rows kernel masks before it scales (its row max is of unscaled scores):
     sm_scale <= 0 goes to the reference; the fp8 kernel scales first and takes any."""

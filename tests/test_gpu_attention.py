@@ -412,6 +412,28 @@ def test_split_kv_matches_reference(cp, katt, fp8, splits):
     assert (got[0].get()[3] == 0).all() and (got[1].get()[3] == -np.inf).all()
 
 
+@pytest.mark.parametrize("d_v", [2, 130, 510])
+def test_split_kv_narrow_values(cp, katt, d_v):
+    """Value widths below 512 through the split-KV merge, whose threads own two 8-byte
+    column pairs each (a width that is not a multiple of 4, or of the 256 pairs a CTA
+    covers, leaves threads with one pair or none): the one-pass answer within FlashMLA's
+    tolerances (a row's stores past d_v would land on the next row's first columns)."""
+    rng = np.random.default_rng(200 + d_v)
+    tokens, heads, topk = 3, 128, 1024
+    host, rows_h = flashmla_like_cache(rng, 40)
+    rows_d = cpsparse.MLAKVCache.wrap(cp.asarray(host.data)).records()
+    q = flashmla_like_q(rng, (tokens, heads, 576))
+    idx = ragged_indices(rng, tokens, topk, host.num_slots)
+    exp = sparse_mla_attention(q, rows_h, idx, SCALE, d_v=d_v)
+    q_d, idx_d = cp.asarray(q), cp.asarray(idx)
+    for splits in (1, 5, 16):
+        poison_pool(cp)
+        got = katt.sparse_mla_attention(cp, q_d, rows_d, idx_d, SCALE, d_v, True,
+                                        splits=splits)
+        assert got[0].shape == (tokens, heads, d_v), got[0].shape
+        assert_flashmla_close(got, exp, f"d_v={d_v} splits={splits}")
+
+
 def test_split_kv_nan_propagates(cp, katt):
     """A NaN query gives NaN rows with or without splits (never the empty marker)."""
     rng = np.random.default_rng(8)

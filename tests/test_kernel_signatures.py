@@ -23,6 +23,7 @@ DECLARED = [
     ("attention.cu", "cps_f16_to_bf16", attention.TO_BF16_ARGS),
     ("attention.cu", "cps_local_to_global_slots", attention.SLOTS_ARGS),
     ("attention.cu", "cps_mla_combine", attention.COMBINE_ARGS),
+    ("attention.cu", "cps_mla_combine_few_rows", attention.COMBINE_ARGS),
     ("attention.cu", "cps_sparse_mla_model1", attention.MODEL1_ARGS),
     ("indexer.cu", "cps_mqa_logits_mma", indexer.MQA_ARGS),
     ("indexer.cu", "CPS_MQA_WS_KERNEL", indexer.MQA_ARGS),
@@ -445,7 +446,7 @@ def test_attention_launch_arguments_on_both_paths(monkeypatch):
         return [("cps_sparse_mla_fp8", (units * splits,), (katt.DEC_THREADS,), katt.SMEM_BYTES,
                  (0x1000, 0, 0x3000, 0x2000, 2048, 2560, None, None, out, lse, 128, 512,
                   scale_log2, splits, part, None)),
-                ("cps_mla_combine", (128,), (128,), 0,
+                ("cps_mla_combine_few_rows", (128,), (katt.COMBINE_THREADS,), 0,
                  (part, out, lse, None, splits, 512, 128))]
     assert [plain(x) for x in launches] == want(0) + want(1)
     assert run(Arr(q.shape, np.float32, 0x1004), data, idx) is None

@@ -20,7 +20,8 @@ SASS = """
         /*0020*/                   EXIT ;
         .text.cps_b:
         /*0000*/                   IADD3 R2, R2, 0x1, RZ ;
-        /*0010*/                   EXIT ;
+        /*0010*/                   CALL.REL.NOINC `($__internal_6_$__cuda_sm20_rem_u64) ;
+        /*0020*/                   EXIT ;
 	//--------------------- .nv.shared.cps_b --------------------------
 """
 
@@ -32,6 +33,12 @@ def test_kernels_split_and_normalized():
     # the same code at other addresses, under other label numbers, is identical
     moved = SASS.replace("/*0010*/", "/*0990*/").replace(".L_x_12", ".L_x_40")
     assert sass_diff.compare(got, sass_diff.kernels(moved)) == [("cps_a", None), ("cps_b", None)]
+    # ... and so is a call of an internal helper a kernel added to the module renumbered
+    renumbered = SASS.replace("__internal_6_", "__internal_8_")
+    assert sass_diff.compare(got, sass_diff.kernels(renumbered)) == [("cps_a", None),
+                                                                     ("cps_b", None)]
+    other = SASS.replace("rem_u64", "div_u64")
+    assert sass_diff.compare(got, sass_diff.kernels(other)) == [("cps_a", None), ("cps_b", 2)]
 
 
 def test_compare_counts_changed_lines_and_one_sided_kernels():

@@ -53,13 +53,16 @@ for name in sys.argv[2:] or sorted(raw_kernels.MODULES):
 _LABEL = re.compile(r"\.L_x_\d+")
 _ADDRESS = re.compile(r"/\*[0-9a-f]+\*/")
 _SECTION = re.compile(r"\s*\.text\.(\w+):")
+# The module's internal helpers (the division and reciprocal slow paths) are numbered in
+# the order the module's kernels call them: a kernel added to the module renumbers them.
+_INTERNAL = re.compile(r"__internal_\d+_")
 
 
 def kernels(sass):
     """{kernel: [instruction lines]} of nvdisasm output: one entry a ``.text.<name>``
     section, addresses and label numbers removed, directives, comments (nvdisasm's
     section banners) and label lines dropped (a label's number changes when code
-    elsewhere in the module moves)."""
+    elsewhere in the module moves), internal helpers' numbers removed."""
     out, current = {}, None
     for line in sass.splitlines():
         m = _SECTION.match(line)
@@ -68,7 +71,7 @@ def kernels(sass):
             continue
         if current is None:
             continue
-        text = _LABEL.sub("L", _ADDRESS.sub("", line)).strip()
+        text = _INTERNAL.sub("__internal_", _LABEL.sub("L", _ADDRESS.sub("", line))).strip()
         if text and not text.startswith((".", "//")) and not text.endswith(":"):
             current.append(text)
     return out

@@ -3,7 +3,7 @@
 // One CTA per (query token, group of 64 heads, split): with splits > 1 (split-KV
 // decoding, chosen by the launcher when the units would leave SMs idle) each CTA
 // takes an equal share of the token's key tiles and writes a normalised partial row
-// and its lse, merged by cps_mla_combine at the end of this file. Every kernel runs
+// and its lse, merged by cps_mla_combine(_few_rows) at the end of this file. Every kernel runs
 // a producer warpgroup (two in the fp8 decode: 512 threads, the others 384) that fills
 // two K buffers of bf16 [64 keys x 576] in shared memory with the token's keys (top-k
 // slots, or a causal range for the dense route), and two math warpgroups:
@@ -43,8 +43,8 @@
 // wg holds heads 16wi + g (+8), g = lane / 4.
 // Shared cp.async / fence / wgmma helpers (cps_*): hopper.cuh.
 
-// ATT_WS_THREADS, ATT_DEC_THREADS, ATT_SMEM_BYTES, ATT_MAX_SPLITS, ATT_REC_BYTES (the
-// fp8_ds_mla record) and ATT_M1_NOPE / ATT_M1_ROW / ATT_M1_SCALE_BYTES (the MODEL1 page
+// ATT_WS_THREADS, ATT_DEC_THREADS, ATT_SMEM_BYTES, ATT_MAX_SPLITS, ATT_COMBINE_THREADS,
+// ATT_REC_BYTES (the fp8_ds_mla record) and ATT_M1_NOPE / ATT_M1_ROW / ATT_M1_SCALE_BYTES (the MODEL1 page
 // layout) are #defined by the launcher (raw_kernels/attention.py), which owns them; the
 // tile layout below must fit ATT_SMEM_BYTES (static_assert).
 #define ATT_D 576
@@ -443,6 +443,9 @@ __device__ __forceinline__ void att_produce_fp8(const u8* __restrict__ kv,
     int raw1 = att_entry(irow, nk_end, (t_first + 1) * 64 + mine);
     int raw2 = att_entry(irow, nk_end, (t_first + 2) * 64 + mine);
     att_load_pass(a, kv, slot, lane);
+    // The loop pulls tile t + 2's records into L2; tile t_first + 1's are pulled here, or
+    // a short split-KV share (two tiles at B=1) loads them from HBM after its first tile.
+    att_prefetch_record(kv, att_slot_checked(raw1, num_slots), lane >> 3);
     for (int t = t_first; t < t_end; ++t) {
         const int buf = (t - t_first) & 1;
         const u32 sk = base + ATT_OFF_K + buf * ATT_TILE;
@@ -1636,7 +1639,97 @@ cps_sparse_mla_model1(const void* __restrict__ q, int q_half,
 // lse_s = -inf and weight 0; a row with none at all ends with out = 0, lse = -inf
 // as in one pass; a NaN partial lse (a NaN score) makes the row NaN. An attention
 // sink [H] (or nullptr) scales out by att_sink_factor of the merged lse.
-extern "C" __global__ void __launch_bounds__(128)
+// Two kernels, the same arithmetic; the launcher picks by the number of rows.
+// cps_mla_combine_few_rows: a small decode batch waits on the merge's latency, not its
+// bytes (B=1, H=128: 128 rows of 16 splits of 2 KB), so every load is issued at once:
+// warp 0 reads the row's partial lse a lane a split (one round trip, not one a split),
+// and every thread first issues its columns' partial rows of the first ATT_COMBINE_CHUNK
+// splits, which travel while the weights are computed (151 registers: 3 CTAs an SM).
+// cps_mla_combine: a few registers, one load at a time, 16 CTAs an SM overlapping each
+// other's round trips: faster once the rows are several waves of the first (B=8).
+// Each output column sums its splits in split order.
+#define ATT_COMBINE_CHUNK 16
+static_assert(2 * ATT_COMBINE_THREADS * 2 >= ATT_DV, "two float2 value columns a thread");
+extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS)
+cps_mla_combine_few_rows(const float* __restrict__ part_out, float* __restrict__ out,
+                float* __restrict__ lse, const float* __restrict__ sink, int splits, int d_v,
+                int H) {
+    CPS_PDL_WAIT();
+    __shared__ float weight[ATT_MAX_SPLITS];
+    __shared__ float row_lse;
+    __shared__ int row_nan;
+    const size_t row = blockIdx.x;
+    const int tid = threadIdx.x, ncol = d_v >> 1;      // float2 columns (d_v is even)
+    const float2* po = reinterpret_cast<const float2*>(part_out + row * splits * d_v);
+    float2 v[2][ATT_COMBINE_CHUNK];
+    auto load = [&](int s0) {
+#pragma unroll
+        for (int j = 0; j < ATT_COMBINE_CHUNK; ++j) {
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const int c = tid + k * ATT_COMBINE_THREADS;
+                v[k][j] = s0 + j < splits && c < ncol
+                              ? __ldg(po + (size_t)(s0 + j) * ncol + c) : make_float2(0.f, 0.f);
+            }
+        }
+    };
+    load(0);
+    if (tid < 32) {
+        const float* pl = part_out + (size_t)gridDim.x * splits * d_v + row * splits;
+        float mx = ATT_NEG_INF;
+        bool nan = false;
+        for (int s = tid; s < splits; s += 32) {
+            const float x = pl[s];
+            weight[s] = x;
+            nan |= x != x;
+            mx = fmaxf(mx, x);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        nan = __any_sync(0xffffffffu, nan);
+        float total = 0.f;
+        for (int s = tid; s < splits; s += 32) {
+            const float e = mx == ATT_NEG_INF ? 0.f : expf(weight[s] - mx);
+            weight[s] = e;
+            total += e;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        const float merged = mx == ATT_NEG_INF ? ATT_NEG_INF : mx + logf(total);
+        const float f = att_sink_factor(sink, (int)(row % (size_t)H), merged);
+        for (int s = tid; s < splits; s += 32) weight[s] *= inv * f;
+        if (tid == 0) {
+            row_lse = merged;
+            row_nan = nan;
+        }
+    }
+    __syncthreads();
+    float2 acc[2] = {make_float2(0.f, 0.f), make_float2(0.f, 0.f)};
+    for (int s0 = 0; s0 < splits; s0 += ATT_COMBINE_CHUNK) {
+        if (s0 > 0) load(s0);
+#pragma unroll
+        for (int j = 0; j < ATT_COMBINE_CHUNK; ++j) {
+            const float wt = s0 + j < splits ? weight[s0 + j] : 0.f;
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                acc[k].x += wt * v[k][j].x;
+                acc[k].y += wt * v[k][j].y;
+            }
+        }
+    }
+    const bool nan = row_nan != 0;
+    const float qnan = __int_as_float(0x7fc00000);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const int c = tid + k * ATT_COMBINE_THREADS;
+        if (c < ncol)
+            reinterpret_cast<float2*>(out + row * d_v)[c] = nan ? make_float2(qnan, qnan) : acc[k];
+    }
+    if (tid == 0) lse[row] = nan ? qnan : row_lse;
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS)
 cps_mla_combine(const float* __restrict__ part_out, float* __restrict__ out,
                 float* __restrict__ lse, const float* __restrict__ sink, int splits, int d_v,
                 int H) {

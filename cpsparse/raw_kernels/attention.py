@@ -14,8 +14,10 @@ extra cache (the sliding window) in the same softmax, the attention sink
 Split-KV decoding: when the (token, head group) units would leave SMs idle (small
 decode batches), each unit's key tiles are shared among several CTAs
 (:func:`choose_splits`, a function of the shapes and the SM count: graph-safe),
-whose partial rows and lse are merged by ``cps_mla_combine``; B=1, H=128 runs 32
-CTAs instead of 2 (126 us -> 25 us on the H200, ``benchmarks/bench_splits.py``).
+whose partial rows and lse are merged by ``cps_mla_combine_few_rows`` (few rows: every
+load in flight at once) or ``cps_mla_combine`` (:func:`combine_kernel_name`); B=1, H=128
+runs 32 CTAs instead of 2 (126 us -> 25 us on the H200, ``benchmarks/bench_splits.py``;
+15 us since the few-rows merge).
 
 Precision: queries and keys enter the tensor cores as bf16 (round to nearest
 even), products accumulate in fp32, probabilities are rounded to bf16 for P V.
@@ -57,13 +59,22 @@ SMEM_BYTES = 230912 + 1024
 # epilogue) is a few tiles' worth, so shorter shares stop paying.
 MAX_SPLITS = 64                 # ATT_MAX_SPLITS
 MIN_TILES_PER_SPLIT = 2
+# The split-KV merge: one CTA a (token, head) row (ATT_COMBINE_THREADS). Up to
+# COMBINE_FEW_ROWS_PER_SM rows an SM, cps_mla_combine_few_rows (every load of a row in
+# flight at once, 3 CTAs an SM), past it cps_mla_combine (16 CTAs an SM, one load at a
+# time each). Attention + merge replayed in a graph on the H200, 128 heads, the first
+# against the second: B=1 (128 rows) 15.5 against 19.4 us, B=4 (512) 22.7 against 24.2,
+# B=8 (1024) 29.7 against 27.9 (docs/performance.md, "The split-KV merge").
+COMBINE_THREADS = 128           # ATT_COMBINE_THREADS
+COMBINE_FEW_ROWS_PER_SM = 4
 
 raw_kernels.register_module(
     "attention", ["common.cuh", "hopper.cuh", "attention.cu"], capabilities=raw_kernels.exactly((9, 0)),
     ops=("sparse_mla_attention", "dense_mla_attention", "local_to_global_slots"),
     needs="Hopper wgmma, compiled for sm_90a", pdl=True,
     defines=dict(ATT_WS_THREADS=WS_THREADS, ATT_DEC_THREADS=DEC_THREADS, ATT_SMEM_BYTES=SMEM_BYTES,
-                 ATT_MAX_SPLITS=MAX_SPLITS, ATT_REC_BYTES=RECORD_BYTES,
+                 ATT_MAX_SPLITS=MAX_SPLITS, ATT_COMBINE_THREADS=COMBINE_THREADS,
+                 ATT_REC_BYTES=RECORD_BYTES,
                  # the MODEL1 page layout (cpsparse.reference.cache owns it)
                  ATT_M1_NOPE=cache_layout.MODEL1_NOPE, ATT_M1_ROW=cache_layout.MODEL1_ROW,
                  ATT_M1_SCALE_BYTES=cache_layout.MODEL1_SCALES + 1))
@@ -133,6 +144,13 @@ def choose_splits(units, tiles, sms):
     return -(-tiles // per_split)
 
 
+def combine_kernel_name(rows, sms):
+    """The split-KV merge kernel for ``rows`` (token, head) rows on ``sms`` SMs (see
+    COMBINE_FEW_ROWS_PER_SM)."""
+    return "cps_mla_combine_few_rows" if rows <= COMBINE_FEW_ROWS_PER_SM * sms \
+        else "cps_mla_combine"
+
+
 _PLANS: dict[Any, Any] = {}
 
 
@@ -152,7 +170,8 @@ def _plan(tokens, heads, topk, kind, dense, sm_scale, splits):
             raise ValueError(f"Invalid splits: expected 1 <= splits <= {MAX_SPLITS}, "
                              f"got {splits}")
         combine = None if splits == 1 else raw_kernels.kernel(
-            "attention", "cps_mla_combine", COMBINE_ARGS)
+            "attention", combine_kernel_name(tokens * heads, raw_kernels.device_facts().sms),
+            COMBINE_ARGS)
         fn = (raw_kernels.kernel("attention", "cps_sparse_mla_model1", MODEL1_ARGS, SMEM_BYTES)
               if kind == "model1" else _attention_kernel(kind == "fp8"))
         plan = (units, splits, fn, combine, float(numpy.float32(sm_scale * math.log2(math.e))))
@@ -183,7 +202,7 @@ def prepare(cp, tokens, heads, topk, fp8, dense, sm_scale, d_v, splits=None):
                                                    sm_scale, splits)
     launch = fn.launcher((units * splits,), (DEC_THREADS if fp8 else WS_THREADS,),
                          SMEM_BYTES)
-    merge = None if combine is None else combine.launcher((tokens * heads,), (128,))
+    merge = None if combine is None else combine.launcher((tokens * heads,), (COMBINE_THREADS,))
     out_shape, lse_shape = (tokens, heads, d_v), (tokens, heads)
 
     def run(q, q_half, kv, num_slots, indices, row_start, row_len, sink):
@@ -260,7 +279,8 @@ def _partials(cp, tokens, heads, splits, d_v):
 
 def _combine(cp, combine, part, out, lse, sink, splits, d_v, heads):
     if combine is not None:
-        combine((out.shape[0] * heads,), (128,), (part, out, lse, sink, splits, d_v, heads))
+        combine((out.shape[0] * heads,), (COMBINE_THREADS,),
+                (part, out, lse, sink, splits, d_v, heads))
 
 
 def supports_model1(q_shape, d_v):
