@@ -1648,16 +1648,22 @@ cps_sparse_mla_model1(const void* __restrict__ q, int q_half,
 // cps_mla_combine: a few registers, one load at a time, 16 CTAs an SM overlapping each
 // other's round trips: faster once the rows are several waves of the first (B=8).
 // Each output column sums its splits in split order.
+#define ATT_COMBINE_PARAMS                                                                  \
+    const float* __restrict__ part_out, float* __restrict__ out, float* __restrict__ lse,   \
+        const float* __restrict__ sink, int splits, int d_v, int H
+
+// The merged row's weights (one a split), lse and NaN flag.
+#define ATT_COMBINE_SHARED                                                                  \
+    __shared__ float weight[ATT_MAX_SPLITS];                                                \
+    __shared__ float row_lse;                                                               \
+    __shared__ int row_nan
+
 #define ATT_COMBINE_CHUNK 16
 static_assert(2 * ATT_COMBINE_THREADS * 2 >= ATT_DV, "two float2 value columns a thread");
 extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS)
-cps_mla_combine_few_rows(const float* __restrict__ part_out, float* __restrict__ out,
-                float* __restrict__ lse, const float* __restrict__ sink, int splits, int d_v,
-                int H) {
+cps_mla_combine_few_rows(ATT_COMBINE_PARAMS) {
     CPS_PDL_WAIT();
-    __shared__ float weight[ATT_MAX_SPLITS];
-    __shared__ float row_lse;
-    __shared__ int row_nan;
+    ATT_COMBINE_SHARED;
     const size_t row = blockIdx.x;
     const int tid = threadIdx.x, ncol = d_v >> 1;      // float2 columns (d_v is even)
     const float2* po = reinterpret_cast<const float2*>(part_out + row * splits * d_v);
@@ -1730,13 +1736,9 @@ cps_mla_combine_few_rows(const float* __restrict__ part_out, float* __restrict__
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS)
-cps_mla_combine(const float* __restrict__ part_out, float* __restrict__ out,
-                float* __restrict__ lse, const float* __restrict__ sink, int splits, int d_v,
-                int H) {
+cps_mla_combine(ATT_COMBINE_PARAMS) {
     CPS_PDL_WAIT();
-    __shared__ float weight[ATT_MAX_SPLITS];
-    __shared__ float row_lse;
-    __shared__ int row_nan;
+    ATT_COMBINE_SHARED;
     const size_t row = blockIdx.x;
     if (threadIdx.x == 0) {
         const float* pl = part_out + (size_t)gridDim.x * splits * d_v + row * splits;
