@@ -147,12 +147,14 @@ if [ $ab_step = 1 ]; then
         status=1
     fi
 fi
-# The device tool brings back at most 8 files from $OUT: past that, everything goes into
-# one archive and the main results stay beside it.
-if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+# The device tool brings back at most 8 files from $OUT, subfolders' (the ab step's
+# ab_base/, ab_new/) included: past that, everything goes into one archive and the main
+# results stay beside it.
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
     (cd "$OUT" && tar -czf ../gpu_check_all.tgz --exclude=gpu_check_all.tgz . \
+        && find . -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} + \
         && find . -maxdepth 1 -type f ! -name peers.json ! -name gpu_tests.log \
-            ! -name bench_peers.log -delete && mv ../gpu_check_all.tgz .)
+            ! -name bench_peers.log ! -name ab.txt -delete && mv ../gpu_check_all.tgz .)
     echo "== $OUT: more than 8 files, all of them in gpu_check_all.tgz"
 fi
 exit $status
