@@ -29,11 +29,11 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do steps+=("$1"); shift; done
 [ $# -gt 0 ] && shift
 [ ${#steps[@]} -eq 0 ] && steps=(all)
 want() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
+# (the steps "all" does not include: only when named)
+named() { for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 status=0
 PEERS_DIR=/tmp/peers
-ab_step=0
-printf '%s\n' "${steps[@]}" | grep -qx ab && ab_step=1
-if { want peers || [ $ab_step = 1 ]; } && [ -f .peers/build.sh ] && [ ! -s "$PEERS_DIR/built" ] && ! pgrep -f "build.sh .peers" > /dev/null; then
+if { want peers || named ab; } && [ -f .peers/build.sh ] && [ ! -s "$PEERS_DIR/built" ] && ! pgrep -f "build.sh .peers" > /dev/null; then
     echo "== peers: building in the background (log $OUT/peers_build.log)"
     setsid bash .peers/build.sh .peers/peers.tar.xz "$PEERS_DIR" > "$OUT/peers_build.log" 2>&1 < /dev/null &
 fi
@@ -91,7 +91,7 @@ if want profile; then
     timeout 200 python3 -m benchmarks.profile_topk 2>&1 | tee "$OUT/profile_topk.log" | tail -8
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
-if printf '%s\n' "${steps[@]}" | grep -qx ncu; then
+if named ncu; then
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     if [ -x "$NCU" ]; then
         echo "== ncu: the ws decode scoring kernels (report $OUT/ncu_indexer.txt)"
@@ -131,7 +131,7 @@ if want peers; then
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     cp "$PEERS_DIR"/*.log "$OUT/" 2>/dev/null
 fi
-if [ $ab_step = 1 ]; then
+if named ab; then
     if [ -d .baseline/cpsparse ] && [ -d .baseline/benchmarks ]; then
         echo "== ab: benchmarks.bench_peers $* on .baseline, then on this tree"
         mkdir -p "$OUT/ab_base" "$OUT/ab_new"

@@ -3,10 +3,10 @@
 // One CTA per (query token, group of 64 heads, split): with splits > 1 (split-KV
 // decoding, chosen by the launcher when the units would leave SMs idle) each CTA
 // takes an equal share of the token's key tiles and writes a normalised partial row
-// and its lse, merged by cps_mla_combine(_few_rows) at the end of this file. Every kernel runs
-// a producer warpgroup (two in the fp8 decode: 512 threads, the others 384) that fills
-// two K buffers of bf16 [64 keys x 576] in shared memory with the token's keys (top-k
-// slots, or a causal range for the dense route), and two math warpgroups:
+// and its lse, merged by cps_mla_combine(_few_rows) at the end of this file. Every
+// kernel runs a producer warpgroup (two in the fp8 decode: 512 threads, the others 384)
+// that fills two K buffers of bf16 [64 keys x 576] in shared memory with the token's keys
+// (top-k slots, or a causal range for the dense route), and two math warpgroups:
 //   - dense bf16 rows (cps_sparse_mla_bf16: prefill): the producer gathers the rows
 //     by 16-byte cp.async; the math warpgroups run FlashMLA's sparse-prefill
 //     "ping-pong" schedule ("the ping-pong kernel" below): warpgroup w owns every
@@ -44,9 +44,10 @@
 // Shared cp.async / fence / wgmma helpers (cps_*): hopper.cuh.
 
 // ATT_WS_THREADS, ATT_DEC_THREADS, ATT_SMEM_BYTES, ATT_MAX_SPLITS, ATT_COMBINE_THREADS,
-// ATT_REC_BYTES (the fp8_ds_mla record) and ATT_M1_NOPE / ATT_M1_ROW / ATT_M1_SCALE_BYTES (the MODEL1 page
-// layout) are #defined by the launcher (raw_kernels/attention.py), which owns them; the
-// tile layout below must fit ATT_SMEM_BYTES (static_assert).
+// ATT_REC_BYTES (the fp8_ds_mla record) and ATT_M1_NOPE / ATT_M1_ROW /
+// ATT_M1_SCALE_BYTES (the MODEL1 page layout) are #defined by the launcher
+// (raw_kernels/attention.py), which owns them; the tile layout below must fit
+// ATT_SMEM_BYTES (static_assert).
 #define ATT_D 576
 #define ATT_DV 512
 #define ATT_ROW_BYTES 1152          // bf16 row of the dense workspace
