@@ -434,6 +434,47 @@ def test_split_kv_narrow_values(cp, katt, d_v):
         assert_flashmla_close(got, exp, f"d_v={d_v} splits={splits}")
 
 
+@pytest.mark.parametrize("splits", [3, 33, 64])
+def test_split_kv_merge_kernels_agree(cp, katt, monkeypatch, splits):
+    """The two merge kernels (few rows / many rows: one body, 16 or 8 splits' loads in
+    flight) give the same bits, each forced on the same partials: ragged rows (empty
+    ones: lse -inf, out 0), a NaN row, an attention sink with +-inf heads, a value width
+    of 130 (threads with one column pair or none), splits past 32 (a lane's second
+    weight) and past a chunk (a second round of loads)."""
+    rng = np.random.default_rng(40 + splits)
+    tokens, heads, topk = 3, 128, 64 * 64
+    host, rows_h = flashmla_like_cache(rng, 40)
+    rows_d = cpsparse.MLAKVCache.wrap(cp.asarray(host.data)).records()
+    q = flashmla_like_q(rng, (tokens, heads, 576))
+    q[2, 5, 9] = np.nan
+    idx = ragged_indices(rng, tokens, topk, host.num_slots)
+    idx[1, :] = -1
+    idx[1, 64 * 40:64 * 40 + 7] = rng.integers(0, host.num_slots, 7)
+    sink = rng.standard_normal(heads).astype(np.float32)
+    sink[0], sink[1] = np.inf, -np.inf
+    got = {}
+    for name in ("cps_mla_combine_few_rows", "cps_mla_combine"):
+        monkeypatch.setattr(katt, "combine_kernel_name", lambda rows, sms, n=name: n)
+        monkeypatch.setattr(katt, "_PLANS", {})
+        monkeypatch.setattr(katt, "_LAUNCHES", {})
+        poison_pool(cp)
+        out, lse = katt.sparse_mla_attention(cp, cp.asarray(q), rows_d, cp.asarray(idx),
+                                             SCALE, 130, True, splits=splits,
+                                             attn_sink=cp.asarray(sink))
+        got[name] = (out.get(), lse.get())
+    (o1, l1), (o2, l2) = got.values()
+    assert np.isnan(o1[2, 5]).all() and np.isnan(l1[2, 5]), "the NaN row"
+    assert np.isfinite(o1[0]).all() and np.isfinite(l1[0]).all()
+    assert (o1.view(np.uint32) == o2.view(np.uint32)).all(), \
+        f"out differs in {(o1.view(np.uint32) != o2.view(np.uint32)).sum()} elements"
+    assert (l1.view(np.uint32) == l2.view(np.uint32)).all(), "lse differs"
+    q[2, 5, 9] = 0.0                    # the reference of the other rows
+    e_out, e_lse = sparse_mla_attention(q, rows_h, idx, SCALE, d_v=130, attn_sink=sink)
+    o1[2, 5], l1[2, 5] = e_out[2, 5], e_lse[2, 5]
+    assert_flashmla_close((cp.asarray(o1), cp.asarray(l1)), (e_out, e_lse),
+                          f"splits={splits}")
+
+
 def test_split_kv_nan_propagates(cp, katt):
     """A NaN query gives NaN rows with or without splits (never the empty marker)."""
     rng = np.random.default_rng(8)

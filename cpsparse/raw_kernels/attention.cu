@@ -1640,38 +1640,32 @@ cps_sparse_mla_model1(const void* __restrict__ q, int q_half,
 // lse_s = -inf and weight 0; a row with none at all ends with out = 0, lse = -inf
 // as in one pass; a NaN partial lse (a NaN score) makes the row NaN. An attention
 // sink [H] (or nullptr) scales out by att_sink_factor of the merged lse.
-// Two kernels, the same arithmetic; the launcher picks by the number of rows.
-// cps_mla_combine_few_rows: a small decode batch waits on the merge's latency, not its
-// bytes (B=1, H=128: 128 rows of 16 splits of 2 KB), so every load is issued at once:
-// warp 0 reads the row's partial lse a lane a split (one round trip, not one a split),
-// and every thread first issues its columns' partial rows of the first ATT_COMBINE_CHUNK
-// splits, which travel while the weights are computed (151 registers: 3 CTAs an SM).
-// cps_mla_combine: a few registers, one load at a time, 16 CTAs an SM overlapping each
-// other's round trips: faster once the rows are several waves of the first (B=8).
-// Each output column sums its splits in split order.
+// Two kernels of one body, bit-identical results; the launcher picks by the number of
+// rows. Every warp computes the row's weights itself from the partial lse (a lane a
+// split, shuffles: no shared memory, no block barrier), after issuing its columns'
+// partial rows of the first CHUNK splits, which travel while the weights are computed.
+// Each thread owns two float2 columns; each column sums its splits in split order.
+//   cps_mla_combine_few_rows (CHUNK 16): a small decode batch waits on the merge's
+//     latency, not its bytes (B=1, H=128: 128 rows of 16 splits of 2 KB): every load
+//     in flight at once.
+//   cps_mla_combine (CHUNK 8, at most 64 registers): many rows (B=8, H=128: 1024 rows
+//     of 8 splits): 8 CTAs an SM, the whole batch in one wave.
 #define ATT_COMBINE_PARAMS                                                                  \
     const float* __restrict__ part_out, float* __restrict__ out, float* __restrict__ lse,   \
         const float* __restrict__ sink, int splits, int d_v, int H
 
-// The merged row's weights (one a split), lse and NaN flag.
-#define ATT_COMBINE_SHARED                                                                  \
-    __shared__ float weight[ATT_MAX_SPLITS];                                                \
-    __shared__ float row_lse;                                                               \
-    __shared__ int row_nan
-
-#define ATT_COMBINE_CHUNK 16
 static_assert(2 * ATT_COMBINE_THREADS * 2 >= ATT_DV, "two float2 value columns a thread");
-extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS)
-cps_mla_combine_few_rows(ATT_COMBINE_PARAMS) {
+static_assert(ATT_MAX_SPLITS <= 64, "two splits' weights a lane");
+template <int CHUNK>
+__device__ __forceinline__ void att_combine_row(ATT_COMBINE_PARAMS) {
     CPS_PDL_WAIT();
-    ATT_COMBINE_SHARED;
     const size_t row = blockIdx.x;
-    const int tid = threadIdx.x, ncol = d_v >> 1;      // float2 columns (d_v is even)
+    const int tid = threadIdx.x, lane = tid & 31, ncol = d_v >> 1;  // float2 columns
     const float2* po = reinterpret_cast<const float2*>(part_out + row * splits * d_v);
-    float2 v[2][ATT_COMBINE_CHUNK];
+    float2 v[2][CHUNK];
     auto load = [&](int s0) {
 #pragma unroll
-        for (int j = 0; j < ATT_COMBINE_CHUNK; ++j) {
+        for (int j = 0; j < CHUNK; ++j) {
 #pragma unroll
             for (int k = 0; k < 2; ++k) {
                 const int c = tid + k * ATT_COMBINE_THREADS;
@@ -1681,51 +1675,37 @@ cps_mla_combine_few_rows(ATT_COMBINE_PARAMS) {
         }
     };
     load(0);
-    if (tid < 32) {
-        const float* pl = part_out + (size_t)gridDim.x * splits * d_v + row * splits;
-        float mx = ATT_NEG_INF;
-        bool nan = false;
-        for (int s = tid; s < splits; s += 32) {
-            const float x = pl[s];
-            weight[s] = x;
-            nan |= x != x;
-            mx = fmaxf(mx, x);
-        }
+    // Lane l weighs splits l and l + 32 (an absent split: lse -inf, weight 0).
+    const float* pl = part_out + (size_t)gridDim.x * splits * d_v + row * splits;
+    const float x_lo = lane < splits ? pl[lane] : ATT_NEG_INF;
+    const float x_hi = lane + 32 < splits ? pl[lane + 32] : ATT_NEG_INF;
+    const bool nan = __any_sync(0xffffffffu, x_lo != x_lo || x_hi != x_hi);
+    float mx = fmaxf(fmaxf(ATT_NEG_INF, x_lo), x_hi);
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        nan = __any_sync(0xffffffffu, nan);
-        float total = 0.f;
-        for (int s = tid; s < splits; s += 32) {
-            const float e = mx == ATT_NEG_INF ? 0.f : expf(weight[s] - mx);
-            weight[s] = e;
-            total += e;
-        }
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float e_lo = mx == ATT_NEG_INF ? 0.f : expf(x_lo - mx);
+    const float e_hi = mx == ATT_NEG_INF ? 0.f : expf(x_hi - mx);
+    float total = e_lo + e_hi;
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-        const float inv = total > 0.f ? 1.f / total : 0.f;
-        const float merged = mx == ATT_NEG_INF ? ATT_NEG_INF : mx + logf(total);
-        const float f = att_sink_factor(sink, (int)(row % (size_t)H), merged);
-        for (int s = tid; s < splits; s += 32) weight[s] *= inv * f;
-        if (tid == 0) {
-            row_lse = merged;
-            row_nan = nan;
-        }
-    }
-    __syncthreads();
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    const float merged = mx == ATT_NEG_INF ? ATT_NEG_INF : mx + logf(total);
+    const float f = att_sink_factor(sink, (int)(row % (size_t)H), merged);
+    const float w_lo = e_lo * (inv * f), w_hi = e_hi * (inv * f);
     float2 acc[2] = {make_float2(0.f, 0.f), make_float2(0.f, 0.f)};
-    for (int s0 = 0; s0 < splits; s0 += ATT_COMBINE_CHUNK) {
+    for (int s0 = 0; s0 < splits; s0 += CHUNK) {
         if (s0 > 0) load(s0);
 #pragma unroll
-        for (int j = 0; j < ATT_COMBINE_CHUNK; ++j) {
-            const float wt = s0 + j < splits ? weight[s0 + j] : 0.f;
+        for (int j = 0; j < CHUNK; ++j) {
+            const int s = s0 + j;           // warp-uniform: every lane reads one register
+            const float wt = __shfl_sync(0xffffffffu, s < 32 ? w_lo : w_hi, s & 31);
 #pragma unroll
-            for (int k = 0; k < 2; ++k) {
+            for (int k = 0; k < 2; ++k) {   // (a split past the row's: v 0, weight 0)
                 acc[k].x += wt * v[k][j].x;
                 acc[k].y += wt * v[k][j].y;
             }
         }
     }
-    const bool nan = row_nan != 0;
     const float qnan = __int_as_float(0x7fc00000);
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
@@ -1733,43 +1713,17 @@ cps_mla_combine_few_rows(ATT_COMBINE_PARAMS) {
         if (c < ncol)
             reinterpret_cast<float2*>(out + row * d_v)[c] = nan ? make_float2(qnan, qnan) : acc[k];
     }
-    if (tid == 0) lse[row] = nan ? qnan : row_lse;
+    if (tid == 0) lse[row] = nan ? qnan : merged;
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS)
+cps_mla_combine_few_rows(ATT_COMBINE_PARAMS) {
+    att_combine_row<16>(part_out, out, lse, sink, splits, d_v, H);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS, 8)
 cps_mla_combine(ATT_COMBINE_PARAMS) {
-    CPS_PDL_WAIT();
-    ATT_COMBINE_SHARED;
-    const size_t row = blockIdx.x;
-    if (threadIdx.x == 0) {
-        const float* pl = part_out + (size_t)gridDim.x * splits * d_v + row * splits;
-        float mx = ATT_NEG_INF;
-        bool nan = false;
-        for (int s = 0; s < splits; ++s) {
-            const float v = pl[s];
-            nan |= v != v;
-            mx = fmaxf(mx, v);
-        }
-        float total = 0.f;
-        for (int s = 0; s < splits; ++s) {
-            weight[s] = mx == ATT_NEG_INF ? 0.f : expf(pl[s] - mx);
-            total += weight[s];
-        }
-        const float inv = total > 0.f ? 1.f / total : 0.f;
-        row_lse = mx == ATT_NEG_INF ? ATT_NEG_INF : mx + logf(total);
-        const float f = att_sink_factor(sink, (int)(row % (size_t)H), row_lse);
-        for (int s = 0; s < splits; ++s) weight[s] *= inv * f;
-        row_nan = nan;
-    }
-    __syncthreads();
-    const float* po = part_out + row * splits * d_v;
-    const bool nan = row_nan != 0;
-    for (int c = threadIdx.x; c < d_v; c += blockDim.x) {
-        float acc = 0.f;
-        for (int s = 0; s < splits; ++s) acc += weight[s] * __ldg(po + (size_t)s * d_v + c);
-        out[row * d_v + c] = nan ? __int_as_float(0x7fc00000) : acc;
-    }
-    if (threadIdx.x == 0) lse[row] = nan ? __int_as_float(0x7fc00000) : row_lse;
+    att_combine_row<8>(part_out, out, lse, sink, splits, d_v, H);
 }
 
 // Dense workspace -> bf16 bit patterns (round to nearest even).

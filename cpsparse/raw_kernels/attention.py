@@ -59,12 +59,13 @@ SMEM_BYTES = 230912 + 1024
 # epilogue) is a few tiles' worth, so shorter shares stop paying.
 MAX_SPLITS = 64                 # ATT_MAX_SPLITS
 MIN_TILES_PER_SPLIT = 2
-# The split-KV merge: one CTA a (token, head) row (ATT_COMBINE_THREADS). Up to
-# COMBINE_FEW_ROWS_PER_SM rows an SM, cps_mla_combine_few_rows (every load of a row in
-# flight at once, 3 CTAs an SM), past it cps_mla_combine (16 CTAs an SM, one load at a
-# time each). Attention + merge replayed in a graph on the H200, 128 heads, the first
-# against the second: B=1 (128 rows) 15.5 against 19.4 us, B=4 (512) 22.7 against 24.2,
-# B=8 (1024) 29.7 against 27.9 (docs/performance.md, "The split-KV merge").
+# The split-KV merge: one CTA a (token, head) row (ATT_COMBINE_THREADS), one kernel
+# body with 16 splits' loads in flight (cps_mla_combine_few_rows, up to
+# COMBINE_FEW_ROWS_PER_SM rows an SM) or 8 and at most 64 registers (cps_mla_combine,
+# past it). Attention + merge replayed in a graph on an H100, 128 heads, each kernel
+# forced: within 1% of each other from B=1 to B=16 (14.6, 15.9, 21.0, 28.0, 41.0 us),
+# B=32 69.7 against 70.5 (docs/performance.md, "The split-KV merge's weights"). The
+# pick by rows predates the shared body; it is kept as the peer A/B measured it.
 COMBINE_THREADS = 128           # ATT_COMBINE_THREADS
 COMBINE_FEW_ROWS_PER_SM = 4
 
