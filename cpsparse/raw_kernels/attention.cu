@@ -1658,7 +1658,6 @@ static_assert(2 * ATT_COMBINE_THREADS * 2 >= ATT_DV, "two float2 value columns a
 static_assert(ATT_MAX_SPLITS <= 64, "two splits' weights a lane");
 template <int CHUNK>
 __device__ __forceinline__ void att_combine_row(ATT_COMBINE_PARAMS) {
-    CPS_PDL_WAIT();
     const size_t row = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, ncol = d_v >> 1;  // float2 columns
     const float2* po = reinterpret_cast<const float2*>(part_out + row * splits * d_v);
@@ -1718,11 +1717,13 @@ __device__ __forceinline__ void att_combine_row(ATT_COMBINE_PARAMS) {
 
 extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS)
 cps_mla_combine_few_rows(ATT_COMBINE_PARAMS) {
+    CPS_PDL_WAIT();
     att_combine_row<16>(part_out, out, lse, sink, splits, d_v, H);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS, 8)
 cps_mla_combine(ATT_COMBINE_PARAMS) {
+    CPS_PDL_WAIT();
     att_combine_row<8>(part_out, out, lse, sink, splits, d_v, H);
 }
 
