@@ -172,7 +172,7 @@ def _measure(fn, inputs, warmup, iters, clock, probe, unit="ms"):
         fn(*inputs[i % n])
     settle()
     if probe is not None:
-        probe.reset()
+        probe.restart(warmup, iters)
     times = []
     for i in range(warmup, warmup + iters):
         args = inputs[i % n]
@@ -497,9 +497,10 @@ class Probe:
     :meth:`stop` marks placed in the driver's callbacks. On CuPy each mark
     is a CUDA event on the current stream (read after a synchronize, in
     :meth:`times_ms`); on NumPy it is ``time.perf_counter``. The events are
-    kept and recorded again after :meth:`reset` (which :func:`time_op` calls
-    after the warm-up), so a timed call creates none: what an interval holds on
-    an idle GPU is the host time between two ``record()`` calls, not two
+    kept and recorded again after :meth:`reset`, and :func:`time_op` makes the
+    timed calls' events after the warm-up (:meth:`restart`, as many marks a call
+    as the warm-up made), so a timed call creates none: what an interval holds on
+    an idle GPU is the host time between two ``record()`` calls, not a
     ``cudaEventCreate``. A probe not handed to :func:`time_op` can
     :meth:`reserve` its events instead.
 
@@ -569,6 +570,16 @@ class Probe:
         self._host = []                 # perf_counter at each interval's start and stop
         self._open = None
         self._used = 0
+
+    def restart(self, warmup_calls, calls):
+        """:meth:`reset` after ``warmup_calls`` warm-up calls of a driver, and make now
+        the CUDA events of the next ``calls`` calls, as many marks a call as the warm-up
+        made (at least one call's worth): a timed interval then holds no event's
+        creation (``cudaEventCreate``, host time of its own inside an interval of an
+        idle GPU). :func:`time_op` calls it after the warm-up."""
+        per_call = -(-self._used // warmup_calls) if warmup_calls else 0
+        self.reset()
+        self.reserve(per_call * calls)
 
     def reserve(self, marks):
         """Make the CUDA events of the next ``marks`` marks now (a probe that is not reset

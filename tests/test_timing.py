@@ -191,13 +191,14 @@ def test_probe_records_wrapped_calls_only_while_recording(clock):
 class FakeEventsXp:
     """The CuPy surface a Probe uses: events stamped by a fake clock, created counted."""
 
-    def __init__(self, clock):
+    def __init__(self, clock, create_ms=0.0):
         xp = self
         self.created = 0
 
         class Event:
             def __init__(self):
                 xp.created += 1
+                clock.spend(create_ms)          # cudaEventCreate's host time
                 self.t = None
 
             def record(self):
@@ -237,6 +238,27 @@ def test_probe_reuses_its_cuda_events_after_reset(clock):
     assert xp.created == 16
     driver()
     assert xp.created == 16 and len(probe.times_ms()) == 8
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 3])
+def test_time_op_makes_the_timed_calls_events_after_the_warm_up(clock, warmup):
+    """The clocks' loop makes every event of the timed calls after the warm-up, as many
+    marks a call as the warm-up made: no interval holds an event's creation, whose host
+    time (0.5 ms here) an interval of an idle GPU would read (a gated early return of
+    0.002 ms read as 0.015). Without a warm-up the events come as the marks need them."""
+    xp = FakeEventsXp(clock, create_ms=0.5)
+    probe = timing.Probe(xp)
+    work = probe.wrap(lambda ms: clock.spend(ms))
+
+    def driver():
+        clock.spend(3.0)
+        work(1.0)
+
+    t = timing.time_cpu(driver, warmup=warmup, iters=6, probe=probe)
+    assert xp.created == (2 * 6 if warmup == 0 else 2 * max(warmup, 6))
+    inner = 1.0 if warmup else 1.5
+    assert probe.times_ms() == [pytest.approx(inner)] * 6
+    assert t["inner"]["median_ms"] == pytest.approx(inner)
 
 
 def test_numpy_has_no_graphs_and_no_ceilings():
