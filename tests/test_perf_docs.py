@@ -15,10 +15,13 @@ def test_peers_page_is_generated_from_peers_json():
         import peers_table
     finally:
         sys.path.pop(0)
-    results = json.loads((ROOT / "benchmarks" / "results" / "peers.json").read_text())
     page = (ROOT / "docs" / "performance_peers.md").read_text()
-    assert page == peers_table.markdown(results), \
+    assert page == peers_table.page([ROOT / p for p in peers_table.RESULTS]), \
         "docs/performance_peers.md is stale: run python tools/peers_table.py"
+    devices = [json.loads((ROOT / p).read_text())["device"] for p in peers_table.RESULTS]
+    assert [ln for ln in page.splitlines() if ln.startswith("# ")] == \
+        [f"# Side by side with the peers, {d}, " + json.loads((ROOT / p).read_text())["date"]
+         for d, p in zip(devices, peers_table.RESULTS)]
 
 
 def test_peers_page_targets_count_every_speedup_below_the_minimum():

@@ -1,7 +1,8 @@
-"""Turn benchmarks/results/peers.json (``python3 -m benchmarks.bench_peers``) into
-docs/performance_peers.md: one table row per workload of the peer protocol.
+"""Turn benchmarks/results/peers.json and peers_h100.json (``python3 -m
+benchmarks.bench_peers``) into docs/performance_peers.md: a section a device, one table
+row per workload of the peer protocol.
 
-Usage: python tools/peers_table.py [benchmarks/results/peers.json]
+Usage: python tools/peers_table.py [RESULTS.json ...]   (default: RESULTS)
 """
 
 import json
@@ -103,11 +104,20 @@ def markdown(results):
     return "\n".join(lines)
 
 
+# The committed side-by-side runs the page shows, a section each: the H200's (the
+# device the issues' targets name), then the H100's (the sessions no H200 was lent).
+RESULTS = ("benchmarks/results/peers.json", "benchmarks/results/peers_h100.json")
+
+
+def page(paths):
+    """docs/performance_peers.md of the results at ``paths``: a section each."""
+    return "\n".join(markdown(json.loads(pathlib.Path(p).read_text())) for p in paths)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    src = pathlib.Path(argv[0]) if argv else ROOT / "benchmarks" / "results" / "peers.json"
     out = ROOT / "docs" / "performance_peers.md"
-    out.write_text(markdown(json.loads(src.read_text())))
+    out.write_text(page(argv or [ROOT / p for p in RESULTS]))
     print(out)
 
 
