@@ -704,7 +704,7 @@ class DeepseekV32MLA:
             raise ValueError("Invalid pcp_tokens: this layer has no pcp_group")
         self._check_forward(hidden_states, ctx)
         batch = ctx.batch
-        xp, c = self.xp, self.config
+        xp = self.xp
         tokens = batch.num_tokens
         x = xp.asarray(hidden_states[:tokens], dtype=xp.float32)
         q_c, q_full, kv_c, k_pe = self._project(x, batch.positions)
