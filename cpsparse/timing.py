@@ -574,9 +574,10 @@ class Probe:
     def restart(self, warmup_calls, calls):
         """:meth:`reset` after ``warmup_calls`` warm-up calls of a driver, and make now
         the CUDA events of the next ``calls`` calls, as many marks a call as the warm-up
-        made (at least one call's worth): a timed interval then holds no event's
-        creation (``cudaEventCreate``, host time of its own inside an interval of an
-        idle GPU). :func:`time_op` calls it after the warm-up."""
+        made (its average, rounded up; none without a warm-up, whose events are then made
+        as the marks need them): a timed interval then holds no event's creation
+        (``cudaEventCreate``, host time of its own inside an interval of an idle GPU).
+        :func:`time_op` calls it after the warm-up."""
         per_call = -(-self._used // warmup_calls) if warmup_calls else 0
         self.reset()
         self.reserve(per_call * calls)

@@ -481,9 +481,10 @@ def test_split_kv_schedule():
 
 
 def test_split_kv_merge_kernel_by_rows():
-    """The merge keeps every load of a row in flight (cps_mla_combine_few_rows) up to
-    COMBINE_FEW_ROWS_PER_SM rows an SM, where it was measured faster (B=1, 2, 4 x 128
-    heads on 132 SMs), and the lean kernel past it (B=8 x 128 heads)."""
+    """The merge's body with 16 splits' loads in flight (cps_mla_combine_few_rows) up to
+    COMBINE_FEW_ROWS_PER_SM rows an SM (B=1, 2, 4 x 128 heads on 132 SMs), with 8 and 64
+    registers (cps_mla_combine) past it (B=8 x 128 heads, the kernel the peer A/B timed
+    there)."""
     from cpsparse.raw_kernels import attention as katt
     few, lean = "cps_mla_combine_few_rows", "cps_mla_combine"
     assert [katt.combine_kernel_name(b * 128, 132) for b in (1, 2, 4, 8)] == [few] * 3 + [lean]
