@@ -46,6 +46,18 @@ layout has slots for the producer's loop top, EMPTY wait and FULL arrive, which 
 median cycles a tile of the math side's work and of its wait for data, the numbers the
 ablations only infer. The traced kernel is the base kernel plus those stores (a few
 cycles a tile); its output is right.
+
+``timeline`` (``python3 -m benchmarks.profile_attention timeline``) records, for every
+CTA of one call at B=128 (s_q 1 and 2), the global timer (ns) when it starts, when its Q
+is in shared memory, when its first tile is ready (FULL), when its last P V ends and when
+its rows are written, and its SM: a CTA's fixed costs (Q load, epilogue) beside its tiles,
+and the gap between one CTA and the next on an SM (:func:`timeline_summary`;
+``$OUT/profile_attention_timeline.json``).
+
+A variant must not remove more than it says: a write of the rows under a runtime guard
+(``if (d_v == -1)``) let ptxas drop 21 of the fp8 kernel's 60 wgmma (O of one warpgroup
+never read), which read as 20% of the kernel; ``halfwrite`` halves the bytes instead
+(tests/test_kernel_compile.py compares each variant's wgmma count with the base's).
 """
 
 import json
@@ -80,6 +92,10 @@ _HALF_LOAD = ("        att_load_pass(a, kv, next, lane);\n",
 _HALF_LOAD0 = ("    att_load_pass(a, kv, slot, lane);\n    // The loop pulls tile t + 2",
                "    a = AttPass{};\n    if (pw < 4) att_load_pass(a, kv, slot, lane);\n"
                "    // The loop pulls tile t + 2")
+# The epilogue's bytes halved: the rows written as d_v / 2 wide (warpgroup 0's columns,
+# rows packed at half the stride): what a 16-bit output would write. Every product stays.
+_WRITE = ("    att_write_rows(st, w, base + ATT_OFF_L, out, lse, part_out, H, d_v, splits, WG, r0, r1,\n"
+          "                   t4, sink);\n}\n\n// The fp8_ds_mla cache")
 _HALF_STORE = ("        att_store_pass<32, true>(a, sk, row0, lane);\n",
                "        if (pw < 4) att_store_pass<32, true>(a, sk, row0, lane);\n")
 VARIANTS = {
@@ -101,7 +117,11 @@ VARIANTS = {
     "halfload_nommas": [_DEC_QK, _DEC_PV0, _DEC_PV1, _HALF_LOAD0, _HALF_LOAD],
     "prodonly_nodeq": [_DEC_QK, _DEC_PV0, _DEC_PV1, _NODEQ],
     "prodonly_local": [_DEC_QK, _DEC_PV0, _DEC_PV1, _LOCAL],
+    "halfwrite": [(_WRITE, _WRITE.replace("H, d_v, splits, WG", "H, d_v / 2, splits, WG"))],
 }
+# The variants that remove wgmma products on purpose (the others keep the base's count).
+VARIANTS_WITHOUT_PRODUCTS = ("nommas", "noqk", "nopv", "halfload_nommas", "prodonly_nodeq",
+                             "prodonly_local")
 SHAPES = [(128, 1, 128), (64, 2, 64), (8, 1, 128), (1, 1, 128)]   # (B, s_q, H)
 CTX, TOPK = 32768, 2048
 
@@ -183,12 +203,88 @@ TRACE = [
 ]
 
 
+# The timeline: int64 [cta][6] global-timer stamps (ns; 0 = not reached) of thread 0 (math
+# warpgroup 0): CTA start, Q stored, first FULL passed, last P V done, rows written; then
+# the SM id. Each (anchor, replacement) must hit attention.cu once.
+TIMELINE_CTAS = 1024
+TIMELINE_EVENTS = ("start", "q_loaded", "first_full", "tiles_done", "rows_written")
+_TL_START = ("extern \"C\" __global__ void __launch_bounds__(ATT_DEC_THREADS, 1) "
+             "cps_sparse_mla_fp8(ATT_PARAMS) {\n    CPS_PDL_WAIT();\n")
+TIMELINE = [
+    ("#define ATT_LN2 0.693147180559945309f\n",
+     "#define ATT_LN2 0.693147180559945309f\n"
+     f"__device__ long long att_timeline[{TIMELINE_CTAS}][6];\n"
+     "__device__ __forceinline__ void att_timeline_at(int ev) {\n"
+     "    long long t;\n"
+     "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t));\n"
+     f"    if (blockIdx.x < {TIMELINE_CTAS}) att_timeline[blockIdx.x][ev] = t;\n"
+     "}\n"),
+    (_TL_START, _TL_START
+     + "    if (threadIdx.x == 0) {\n        att_timeline_at(0);\n        unsigned sm;\n"
+     "        asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm));\n"
+     f"        if (blockIdx.x < {TIMELINE_CTAS}) att_timeline[blockIdx.x][5] = sm;\n    }}\n"),
+    ("    att_math_start<D>(q, q_half, w, H, sq, tid);\n    att_rows_init(st);\n"
+     "    st.m0 = st.m1 = ATT_PP_MAX_INIT;\n",
+     "    att_math_start<D>(q, q_half, w, H, sq, tid);\n    if (tid == 0) att_timeline_at(1);\n"
+     "    att_rows_init(st);\n    st.m0 = st.m1 = ATT_PP_MAX_INIT;\n"),
+    ("            att_bar_sync(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);\n",
+     "            att_bar_sync(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);\n"
+     "            if (tid == 0 && it == w.t_first) att_timeline_at(2);\n"),
+    (_WRITE, "    if (tid == 0) att_timeline_at(3);\n" + _WRITE.replace(
+        "                   t4, sink);\n}", "                   t4, sink);\n"
+        "    if (tid == 0) att_timeline_at(4);\n}")),
+]
+TIMELINE_SHAPES = [(128, 1, 128), (128, 2, 128)]    # (B, s_q, H): 2 and 4 waves of CTAs
+
+
+def timeline_summary(stamps):
+    """Medians in us of a CTA's phases from stamps int64 [ctas, 6] (events in ns, then
+    the SM id; a CTA with an event 0 is left out): Q load, wait for the first tile after
+    it, the tiles, the rows' write, the whole CTA; the gap from a CTA's rows written to
+    the next CTA's start on the same SM; and the call's span (first start to last write)."""
+    import numpy as np
+    s = np.asarray(stamps, dtype=np.int64)
+    ok = (s[:, :5] > 0).all(axis=1)
+    if not ok.any():
+        return {"ctas": 0}
+    t, sm = s[ok, :5], s[ok, 5]
+    us = (t - t[:, :1]) / 1e3
+
+    def med(x):
+        return float(np.median(x)) if len(x) else None
+    gaps = []
+    for unit in np.unique(sm):
+        rows = t[sm == unit]
+        rows = rows[np.argsort(rows[:, 0])]
+        gaps.extend((rows[1:, 0] - rows[:-1, 4]) / 1e3)
+    return {"ctas": int(ok.sum()), "q_load_us": med(us[:, 1]),
+            "first_tile_wait_us": med(us[:, 2] - us[:, 1]), "tiles_us": med(us[:, 3] - us[:, 2]),
+            "rows_write_us": med(us[:, 4] - us[:, 3]), "cta_us": med(us[:, 4]),
+            "next_cta_gap_us": med(gaps), "span_us": float((t[:, 4].max() - t[:, 0].min()) / 1e3)}
+
+
+def timeline(cp, cpsparse, katt, raw_kernels, base):
+    """Record the timeline of one call a TIMELINE_SHAPES shape and summarize it."""
+    out = {}
+    src = variant_source(base, "timeline")
+    for b, sq, h in TIMELINE_SHAPES:
+        key = f"B{b}_sq{sq}_H{h}"
+        out[key] = timeline_summary(_stamped_call(cp, cpsparse, katt, raw_kernels, src,
+                                                  (b, sq, h), "att_timeline",
+                                                  (TIMELINE_CTAS, 6)))
+        print(f"timeline {key}: " + ", ".join(
+            f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in out[key].items()),
+            flush=True)
+    return out
+
+
 def variant_source(source, name, variants=None):
-    """``source`` with the substitutions of variant ``name`` (or ``"trace"``) applied
-    (``variants``: the table to look ``name`` up in, default VARIANTS)."""
+    """``source`` with the substitutions of variant ``name`` (or ``"trace"`` /
+    ``"timeline"``) applied (``variants``: the table to look ``name`` up in, default
+    VARIANTS)."""
     table = VARIANTS if variants is None else variants
-    return harness.substitute(source, TRACE if name == "trace" else table[name],
-                              f"variant {name} of attention.cu")
+    subs = {"trace": TRACE, "timeline": TIMELINE}.get(name) or table[name]
+    return harness.substitute(source, subs, f"variant {name} of attention.cu")
 
 
 def trace_summary(stamps):
@@ -224,23 +320,36 @@ def attention_source(src):
     return harness.module_source_override("attention", src, katt._PLANS, katt._LAUNCHES)
 
 
-def trace(cp, cpsparse, katt, raw_kernels, base):
-    """Record the stamps of one B=128 call (traced source) and summarize them."""
+def _stamped_call(cp, cpsparse, katt, raw_kernels, src, shape, buffer, dims):
+    """The host copy of the stamp buffer ``buffer`` (int64 ``dims``, zeroed first) of
+    one sparse decode call of ``shape`` (B, s_q, H) compiled from ``src``, after warm-up
+    calls (the compile, then the steady state)."""
     from benchmarks.bench_peers import mla_decode_inputs
-    b, sq, h = SHAPES[0]
+    b, sq, h = shape
     cache, sets = mla_decode_inputs(cp, cpsparse, b, sq, h, CTX, TOPK)
-    with attention_source(variant_source(base, "trace")):
+    with attention_source(src):
         q, slots = sets[0]
         scale = cpsparse.softmax_scale(128, 64)
-        for _ in range(3):                             # warm: compile, then steady state
+        for _ in range(3):
             katt.sparse_mla_attention(cp, q, cache.records(), slots, scale, 512, True)
         cp.cuda.Device().synchronize()
-        buf = raw_kernels.get_module("attention").get_global("att_trace")
-        stamps = cp.ndarray((TRACE_CTAS, 5, TRACE_TILES), cp.int64, buf)
+        stamps = cp.ndarray(dims, cp.int64,
+                            raw_kernels.get_module("attention").get_global(buffer))
         stamps.fill(0)
         katt.sparse_mla_attention(cp, q, cache.records(), slots, scale, 512, True)
         cp.cuda.Device().synchronize()
-        summary = trace_summary(stamps.get())
+        got = stamps.get()
+    del cache, sets
+    cp.get_default_memory_pool().free_all_blocks()
+    return got
+
+
+def trace(cp, cpsparse, katt, raw_kernels, base):
+    """Record the stamps of one B=128 call (traced source) and summarize them."""
+    b, sq, h = SHAPES[0]
+    summary = trace_summary(_stamped_call(cp, cpsparse, katt, raw_kernels,
+                                          variant_source(base, "trace"), SHAPES[0],
+                                          "att_trace", (TRACE_CTAS, 5, TRACE_TILES)))
     mhz = cp.cuda.Device().attributes["ClockRate"] / 1e3
     print(f"trace B{b}_sq{sq}_H{h} ({summary.pop('tiles')} tiles, SM clock {mhz:.0f} MHz): "
           "median cycles a tile", flush=True)
@@ -294,6 +403,16 @@ def prefill(cp, cpsparse, katt, timing, base, names):
     return results
 
 
+def _save(suffix, unit, results):
+    """``results`` to ``$OUT/profile_attention{suffix}.json`` (when OUT is set), with the
+    device; returns them."""
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, f"profile_attention{suffix}.json"), "w") as f:
+            json.dump({"device": harness.device_info(), unit: results}, f, indent=2)
+    return results
+
+
 def main(names=None):
     cp = harness.cupy()
     import cpsparse
@@ -306,19 +425,12 @@ def main(names=None):
     if names[0] in ("model1", "prefill"):
         run, variants, unit = ((model1, MODEL1_VARIANTS, "graph_us") if names[0] == "model1"
                                else (prefill, PREFILL_VARIANTS, "graph_ms"))
-        results = run(cp, cpsparse, katt, timing, base, names[1:] or list(variants))
-        out = os.environ.get("OUT")
-        if out:
-            with open(os.path.join(out, f"profile_attention_{names[0]}.json"), "w") as f:
-                json.dump({"device": harness.device_info(), unit: results}, f, indent=2)
-        return results
+        return _save(f"_{names[0]}", unit,
+                     run(cp, cpsparse, katt, timing, base, names[1:] or list(variants)))
+    if names == ["timeline"]:
+        return _save("_timeline", "us", timeline(cp, cpsparse, katt, raw_kernels, base))
     if names == ["trace"]:
-        summary = trace(cp, cpsparse, katt, raw_kernels, base)
-        out = os.environ.get("OUT")
-        if out:
-            with open(os.path.join(out, "profile_attention_trace.json"), "w") as f:
-                json.dump({"device": harness.device_info(), "cycles": summary}, f, indent=2)
-        return summary
+        return _save("_trace", "cycles", trace(cp, cpsparse, katt, raw_kernels, base))
     scale = cpsparse.softmax_scale(128, 64)
     inputs = []
     for b, sq, h in SHAPES:
@@ -334,11 +446,7 @@ def main(names=None):
                 results.setdefault(key, {})[name] = g["median_ms"] * 1e3
                 print(f"{name:10s} {key:14s} {g['median_ms'] * 1e3:8.1f} us "
                       f"({g['p10_ms'] * 1e3:.1f}-{g['p90_ms'] * 1e3:.1f})", flush=True)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "profile_attention.json"), "w") as f:
-            json.dump({"device": harness.device_info(), "graph_us": results}, f, indent=2)
-    return results
+    return _save("", "graph_us", results)
 
 
 if __name__ == "__main__":

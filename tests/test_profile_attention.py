@@ -51,3 +51,32 @@ def test_trace_summary_reads_each_side_and_wait():
     got = P.trace_summary(stamps)
     assert got["tiles"] == 6 and got["math_tile"] == 50 and got["math_full_wait"] == 150
     assert got["producer_tile"] is None and got["handover"] is None
+
+
+def test_timeline_substitutions_apply_once_each():
+    base = raw_kernels.module_source("attention")
+    src = P.variant_source(base, "timeline")
+    assert src.count("att_timeline_at(") == 1 + len(P.TIMELINE_EVENTS)  # definition + stamps
+    for event in range(len(P.TIMELINE_EVENTS)):
+        assert f"att_timeline_at({event})" in src
+    assert "att_timeline[blockIdx.x][5] = sm;" in src
+
+
+def test_timeline_summary_phases_and_gaps():
+    """Synthetic stamps (ns) of 4 CTAs on 2 SMs, two a SM one after the other: Q 8 us,
+    first tile 0.5 us after it, 80 us of tiles, 4 us of rows; the next CTA on the SM
+    starts 0.3 us after the rows; a CTA with an event missing is left out."""
+    import numpy as np
+    stamps = np.zeros((5, 6), np.int64)
+    for c in range(4):
+        t0 = 1_000_000 + (c // 2) * 92_800 + (c % 2) * 1_000
+        stamps[c, :5] = [t0, t0 + 8_000, t0 + 8_500, t0 + 88_500, t0 + 92_500]
+        stamps[c, 5] = c % 2
+    stamps[4, :3] = [5, 6, 7]                             # never finished: ignored
+    got = P.timeline_summary(stamps)
+    assert got["ctas"] == 4
+    assert got["q_load_us"] == 8.0 and got["first_tile_wait_us"] == 0.5
+    assert got["tiles_us"] == 80.0 and got["rows_write_us"] == 4.0 and got["cta_us"] == 92.5
+    assert abs(got["next_cta_gap_us"] - 0.3) < 1e-9
+    assert got["span_us"] == (1_000_000 + 92_800 + 1_000 + 92_500 - 1_000_000) / 1e3
+    assert P.timeline_summary(np.zeros((2, 6), np.int64)) == {"ctas": 0}

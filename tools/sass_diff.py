@@ -91,7 +91,8 @@ def compare(old, new):
     return rows
 
 
-def nvdisasm():
+def find_nvdisasm():
+    """nvdisasm's path (on PATH, or the nvidia-cuda-nvdisasm wheel's), or None."""
     found = shutil.which("nvdisasm")
     if found:
         return found
@@ -99,7 +100,12 @@ def nvdisasm():
     for base in (spec.submodule_search_locations or []) if spec else []:
         for path in sorted(pathlib.Path(base).glob("**/bin/nvdisasm")):
             return str(path)
-    sys.exit("nvdisasm not found: put it on PATH or pip install nvidia-cuda-nvdisasm")
+    return None
+
+
+def nvdisasm():
+    return find_nvdisasm() or sys.exit(
+        "nvdisasm not found: put it on PATH or pip install nvidia-cuda-nvdisasm")
 
 
 def _sass_of(tree, modules, work, tool):

@@ -65,7 +65,9 @@ MIN_TILES_PER_SPLIT = 2
 # past it). Attention + merge replayed in a graph on an H100, 128 heads, each kernel
 # forced: within 1% of each other from B=1 to B=16 (14.6, 15.9, 21.0, 28.0, 41.0 us),
 # B=32 69.7 against 70.5 (docs/performance.md, "The split-KV merge's weights"). The
-# pick by rows predates the shared body; it is kept as the peer A/B measured it.
+# pick by rows stays: the body with 16 splits' loads for every row count, in a peer A/B
+# on an H100, took B=8 from 26.4 to 28.2 us (2026-12-06, "Where an fp8 decode CTA's
+# time goes").
 COMBINE_THREADS = 128           # ATT_COMBINE_THREADS
 COMBINE_FEW_ROWS_PER_SM = 4
 
