@@ -61,3 +61,54 @@ def test_insert_and_gather_kernels(cp, lens):
     codes_d, scales_d = dev.gather(cp.asarray(table), cp.asarray(cu))
     assert np.array_equal(codes_d.get(), codes_h)
     assert np.array_equal(scales_d.get().view(np.uint32), scales_h.view(np.uint32))  # NaN-safe
+
+
+@pytest.mark.parametrize("form", ["float32", "float16", "projection_slices"])
+def test_mla_insert_kernel_bit_exact(cp, form):
+    """MLAKVCache.insert on CuPy (one kernel, cps_mla_quant_and_cache) writes the
+    reference's fp8_ds_mla records byte for byte and leaves every other byte as it was:
+    latents over 20 orders of magnitude, an all-zero group (the scale floor), NaN, +-inf,
+    subnormal and overflowing values in both parts, slot -1 skipped; float16 inputs (read
+    as float32 first) and the kv_c / k_pe slices of one [N, 576] projection output (row
+    stride 576, read in place). An infinite value over an infinite scale (inf / inf) is a
+    NaN code whose sign is the division's (x86: negative, the GPU: positive): both are
+    e4m3fn's NaN, compared as one; so are the bf16 NaNs of float16 RoPE values (a NaN's
+    payload through the float32 conversion is the platform's). Then insert_core (no
+    checks, the layer's path) with slots past the cache, which are skipped too."""
+    rng = np.random.default_rng(len(form))
+    n, num_blocks, bs = 300, 8, 64
+    x = rng.standard_normal((n, 576)).astype(np.float32)
+    x *= np.exp(rng.uniform(-23, 23, (n, 1))).astype(np.float32)
+    x[0, :128] = 0.0
+    x[1, :6] = [np.nan, np.inf, -np.inf, 1e-45, -3e-40, 1e30]
+    x[2, 512:516] = [np.nan, -np.inf, 1e-40, 3.4e38]
+    if form == "float16":
+        x = x.astype(np.float16)
+    slots = rng.permutation(num_blocks * bs)[:n].astype(np.int32)
+    slots[::9] = -1
+    host = cpsparse.MLAKVCache(num_blocks, bs)
+    host.data[:] = rng.integers(0, 256, host.data.shape, dtype=np.uint8)
+    dev = cpsparse.MLAKVCache.wrap(cp.asarray(host.data))
+    xd = cp.asarray(x)
+    def nan_as_one(data):                  # every NaN code and NaN bf16 of the records
+        d = data.reshape(-1, 656).copy()
+        codes = d[:, :512]
+        codes[(codes & 0x7F) == 0x7F] = 0x7F
+        rope = d[:, 528:].view(np.uint16)
+        rope[(rope & 0x7FFF) > 0x7F80] = 0x7FC0
+        return d
+
+    host.insert(np.ascontiguousarray(x[:, :512]), np.ascontiguousarray(x[:, 512:]), slots)
+    if form == "projection_slices":       # the layer's own path (insert takes C-contiguous)
+        dev.insert_core(xd[:, :512], xd[:, 512:], cp.asarray(slots))
+    else:
+        dev.insert(cp.ascontiguousarray(xd[:, :512]), cp.ascontiguousarray(xd[:, 512:]),
+                   cp.asarray(slots))
+    assert np.array_equal(nan_as_one(dev.data.get()), nan_as_one(host.data))
+    if form != "float16":                 # (float16 overflows many values to inf)
+        assert (dev.data.get() != host.data).sum() == 2   # x[1, 1:3]: +-inf / inf
+    bad = np.array([host.num_slots, 2**31 - 1, -5, 3], np.int32)
+    y = (rng.standard_normal((4, 576)) * 5).astype(np.float32)
+    host.insert_core(y[:, :512], y[:, 512:], bad)
+    dev.insert_core(cp.asarray(y[:, :512]), cp.asarray(y[:, 512:]), cp.asarray(bad))
+    assert np.array_equal(nan_as_one(dev.data.get()), nan_as_one(host.data))

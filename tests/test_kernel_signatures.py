@@ -34,6 +34,7 @@ DECLARED = [
     ("quant.cu", "cps_indexer_k_gather", quant.GATHER_ARGS),
     ("quant.cu", "cps_index_to_i32", quant.INDEX_TO_I32_ARGS),
     ("quant.cu", "cps_scatter_records", quant.SCATTER_ARGS),
+    ("quant.cu", "cps_mla_quant_and_cache", quant.MLA_INSERT_ARGS),
     ("quant.cu", "cps_hold_ns", quant.HOLD_ARGS),
     ("topk.cu", "TK_KERNEL", topk.ARGS),
     ("topk.cu", "TK_SROW_KERNEL", topk.ARGS),

@@ -14,7 +14,8 @@ from cpsparse.bench import COLUMNS, _fmt
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The committed runs the page shows, newest first.
-RUNS = ("benchmarks/results/bench_cupy_h100_1206.json", "benchmarks/results/bench_cupy_h100.json",
+RUNS = ("benchmarks/results/bench_cupy_h100_1206_mtp.json",
+        "benchmarks/results/bench_cupy_h100_1206.json", "benchmarks/results/bench_cupy_h100.json",
         "benchmarks/results/bench_cupy.json")
 
 TITLES = {

@@ -4,8 +4,9 @@
 // One warp per group (quantize) or per token (insert/gather): a token's 128
 // values are 4 per lane, read as one float4 per lane (16-byte accesses).
 
-// CPS_MAX_VEC (float4 vectors a lane holds: groups up to 32 * 4 * CPS_MAX_VEC values) is
-// #defined by the launcher (raw_kernels/quant.py), which owns it.
+// CPS_MAX_VEC (float4 vectors a lane holds: groups up to 32 * 4 * CPS_MAX_VEC values) and
+// the fp8_ds_mla record's layout (CPS_MLA_LORA, CPS_MLA_ROPE, CPS_MLA_RECORD_BYTES) are
+// #defined by the launcher (raw_kernels/quant.py), which owns them.
 
 // One warp quantizes n (multiple of 4, <= 32 * 4 * CPS_MAX_VEC) consecutive
 // float32 values with one scale: 16-byte loads, amax by shuffles, then one
@@ -47,6 +48,18 @@ __device__ __forceinline__ float cps_warp_quantize(const float* __restrict__ src
     return s;
 }
 
+// One warp a token of the cache writers: sets t, this warp's token, and returns its slot,
+// or -1 when there is nothing to write: t past n, a slot of -1 (padding) or any slot
+// outside [0, num_slots) (production mode: no host check ran; never written).
+__device__ __forceinline__ long long cps_warp_slot(const int* __restrict__ slot_mapping,
+                                                   long long n, long long num_slots,
+                                                   long long& t) {
+    t = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (t >= n) return -1;
+    const long long slot = slot_mapping[t];
+    return slot < 0 || slot >= num_slots ? -1 : slot;
+}
+
 // x [n_groups * group] float32 -> codes (same layout), scales [n_groups].
 extern "C" __global__ void cps_quantize_fp8(const float* __restrict__ x,
                                             u8* __restrict__ codes,
@@ -69,12 +82,9 @@ extern "C" __global__ void cps_indexer_k_quant_and_cache(const float* __restrict
                                                          long long n, int head_dim,
                                                          int block_size, float eps, int ue8m0) {
     const int lane = threadIdx.x & 31;
-    const long long t = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (t >= n) return;
-    const long long slot = slot_mapping[t];
-    // -1 (padding) is skipped; so is any slot outside the cache (production mode: no
-    // host check ran), which is never written.
-    if (slot < 0 || slot >= num_slots) return;
+    long long t;
+    const long long slot = cps_warp_slot(slot_mapping, n, num_slots, t);
+    if (slot < 0) return;
     const long long page = (long long)block_size * (head_dim + 4);
     const long long blk = slot / block_size;
     const int off = (int)(slot % block_size);
@@ -85,6 +95,47 @@ extern "C" __global__ void cps_indexer_k_quant_and_cache(const float* __restrict
         *reinterpret_cast<float*>(cache + blk * page + (long long)block_size * head_dim
                                   + 4ll * off) = s;
     }
+}
+
+// float32 -> bfloat16 bits, round to nearest even; a NaN stays a quiet NaN (the
+// reference's bf16_encode).
+__device__ __forceinline__ u16 cps_bf16_bits(float x) {
+    const u32 u = __float_as_uint(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u16)((u >> 16) | 0x40u);
+    return (u16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// fp8_ds_mla records, encoded and stored in one pass (MLAKVCache.insert on CuPy): token t
+// of kv_c [n, 512] (row stride kv_stride) and k_pe [n, 64] (row stride pe_stride), float32,
+// -> the 656 bytes at data + slot * 656: four groups of 128 e4m3 codes with a float32
+// scale each (max(amax, eps) / 448, eps = 448 * FLT_MIN: the reference's
+// mla_quantize, the same correctly rounded division as cps_warp_quantize's other
+// callers), the four scales, then the 64 RoPE values as bf16 (round to nearest even, a
+// NaN kept quiet). One warp a token. Slot -1 and any slot outside [0, num_slots) are
+// skipped (nothing written; no host pass). The reference encoding composed of array ops
+// cost ~1.6 ms of host a decode step on an H100 (benchmarks/profile_layer.py).
+extern "C" __global__ void cps_mla_quant_and_cache(const float* __restrict__ kv_c,
+                                                   long long kv_stride,
+                                                   const float* __restrict__ k_pe,
+                                                   long long pe_stride,
+                                                   const int* __restrict__ slot_mapping,
+                                                   u8* __restrict__ data, long long num_slots,
+                                                   long long n, float eps) {
+    const int lane = threadIdx.x & 31;
+    long long t;
+    const long long slot = cps_warp_slot(slot_mapping, n, num_slots, t);
+    if (slot < 0) return;
+    u8* rec = data + slot * CPS_MLA_RECORD_BYTES;
+#pragma unroll
+    for (int g = 0; g < CPS_MLA_LORA / 128; ++g) {
+        const float s = cps_warp_quantize(kv_c + t * kv_stride + g * 128, 128, rec + g * 128,
+                                          eps, false, lane);
+        if (lane == 0) *reinterpret_cast<float*>(rec + CPS_MLA_LORA + 4 * g) = s;
+    }
+    static_assert(CPS_MLA_ROPE == 64, "two RoPE values a lane");
+    const float2 r = *reinterpret_cast<const float2*>(k_pe + t * pe_stride + 2 * lane);
+    *reinterpret_cast<u32*>(rec + CPS_MLA_LORA + CPS_MLA_LORA / 32 + 4 * lane) =
+        (u32)cps_bf16_bits(r.x) | ((u32)cps_bf16_bits(r.y) << 16);
 }
 
 // Gather the keys of a packed batch: row n of request r = position n - cu[r],
@@ -145,10 +196,9 @@ extern "C" __global__ void cps_scatter_records(const u8* __restrict__ records,
                                                u8* __restrict__ data, long long num_slots,
                                                long long n, int record_bytes) {
     const int lane = threadIdx.x & 31;
-    const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= n) return;
-    const long long slot = slots[r];
-    if (slot < 0 || slot >= num_slots) return;
+    long long r;
+    const long long slot = cps_warp_slot(slots, n, num_slots, r);
+    if (slot < 0) return;
     const u32* src = reinterpret_cast<const u32*>(records + r * record_bytes);
     u32* dst = reinterpret_cast<u32*>(data + slot * record_bytes);
     for (int w = lane; w < record_bytes / 4; w += 32) dst[w] = src[w];

@@ -124,6 +124,10 @@ def mla_token_bytes(kv_lora_rank: int, rope_dim: int) -> int:
     return kv_lora_rank + 4 * (kv_lora_rank // MLA_QUANT_BLOCK) + 2 * rope_dim
 
 
+# The group maximum's floor of fp8_ds_mla: scale = max(amax, MLA_SCALE_EPS) / 448.
+MLA_SCALE_EPS = fp8.E4M3_MAX * fp8.FLT_MIN
+
+
 def mla_quantize(kv_c: Array) -> tuple[Array, Array]:
     """codes [N, L] uint8 and scales [N, L // 128] float32 with
     ``scale = max(amax / 448, FLT_MIN)`` (not a power of two).
@@ -131,7 +135,7 @@ def mla_quantize(kv_c: Array) -> tuple[Array, Array]:
     ``max(amax, 448 * FLT_MIN) / 448`` equals that exactly: 448 * FLT_MIN is
     exact and correctly rounded division is monotone.
     """
-    return fp8.quantize_groups(kv_c, MLA_QUANT_BLOCK, None, fp8.E4M3_MAX * fp8.FLT_MIN)
+    return fp8.quantize_groups(kv_c, MLA_QUANT_BLOCK, None, MLA_SCALE_EPS)
 
 
 def mla_encode(kv_c: Array, k_pe: Array) -> Array:
