@@ -252,7 +252,7 @@ def supported_ops(capability: str | int | tuple[int, int]) -> list[str]:
     --------
     >>> from cpsparse.raw_kernels import supported_ops
     >>> supported_ops((8, 0))
-    ['quantize_fp8', 'IndexerKCache.insert', 'IndexerKCache.gather']
+    ['quantize_fp8', 'IndexerKCache.insert', 'IndexerKCache.gather', 'MLAKVCache.insert']
     """
     return [op for name in supported_modules(capability) for op in MODULES[name].ops]
 
