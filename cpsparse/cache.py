@@ -448,8 +448,7 @@ class MLAKVCache:
         xp = self.xp
         if _backend.use_kernels(xp) and _kquant.supports_mla_insert(self):
             # one launch; the array-op encoding below cost ~1.6 ms of host a decode step
-            return _kquant.mla_insert(xp, self, kv_c, k_pe, slot_mapping,
-                                      float(numpy.float32(_ref.MLA_SCALE_EPS)))
+            return _kquant.mla_insert(xp, self, kv_c, k_pe, slot_mapping)
         records = _ref.mla_encode(kv_c, k_pe)          # elementwise: no host sync
         if _backend.use_kernels(xp) and self.token_bytes % 4 == 0 \
                 and self.data.data.ptr % 4 == 0:  # type: ignore[union-attr]  # CuPy here

@@ -5,7 +5,8 @@
 // values are 4 per lane, read as one float4 per lane (16-byte accesses).
 
 // CPS_MAX_VEC (float4 vectors a lane holds: groups up to 32 * 4 * CPS_MAX_VEC values) and
-// the fp8_ds_mla record's layout (CPS_MLA_LORA, CPS_MLA_ROPE, CPS_MLA_RECORD_BYTES) are
+// the fp8_ds_mla record's layout (CPS_MLA_LORA, CPS_MLA_GROUP, CPS_MLA_ROPE,
+// CPS_MLA_RECORD_BYTES) are
 // #defined by the launcher (raw_kernels/quant.py), which owns them.
 
 // One warp quantizes n (multiple of 4, <= 32 * 4 * CPS_MAX_VEC) consecutive
@@ -127,14 +128,16 @@ extern "C" __global__ void cps_mla_quant_and_cache(const float* __restrict__ kv_
     if (slot < 0) return;
     u8* rec = data + slot * CPS_MLA_RECORD_BYTES;
 #pragma unroll
-    for (int g = 0; g < CPS_MLA_LORA / 128; ++g) {
-        const float s = cps_warp_quantize(kv_c + t * kv_stride + g * 128, 128, rec + g * 128,
-                                          eps, false, lane);
+    for (int g = 0; g < CPS_MLA_LORA / CPS_MLA_GROUP; ++g) {
+        const float s = cps_warp_quantize(kv_c + t * kv_stride + g * CPS_MLA_GROUP,
+                                          CPS_MLA_GROUP, rec + g * CPS_MLA_GROUP, eps, false,
+                                          lane);
         if (lane == 0) *reinterpret_cast<float*>(rec + CPS_MLA_LORA + 4 * g) = s;
     }
     static_assert(CPS_MLA_ROPE == 64, "two RoPE values a lane");
+    constexpr int rope_off = CPS_MLA_LORA + 4 * (CPS_MLA_LORA / CPS_MLA_GROUP);  // past scales
     const float2 r = *reinterpret_cast<const float2*>(k_pe + t * pe_stride + 2 * lane);
-    *reinterpret_cast<u32*>(rec + CPS_MLA_LORA + CPS_MLA_LORA / 32 + 4 * lane) =
+    *reinterpret_cast<u32*>(rec + rope_off + 4 * lane) =
         (u32)cps_bf16_bits(r.x) | ((u32)cps_bf16_bits(r.y) << 16);
 }
 

@@ -1,6 +1,8 @@
-"""FP8 quantization and indexer key cache kernels (insert, gather), launchers of
-``quant.cu`` beside this file; also the int64 -> int32 index conversion and the
-timing module's stream hold."""
+"""FP8 quantization, indexer key cache (insert, gather) and fp8_ds_mla cache insert
+kernels, launchers of ``quant.cu`` beside this file; also the int64 -> int32 index
+conversion and the timing module's stream hold."""
+
+import numpy
 
 from cpsparse import raw_kernels
 from cpsparse.raw_kernels import WARPS_PER_BLOCK, blocks_for, index_i32
@@ -11,12 +13,15 @@ MAX_GROUP = 32 * 4 * MAX_VEC    # largest quantization group (one warp)
 # The fp8_ds_mla record cps_mla_quant_and_cache writes (cpsparse.reference.cache owns it).
 MLA_LORA, MLA_ROPE = 512, 64
 MLA_RECORD_BYTES = cache_layout.mla_token_bytes(MLA_LORA, MLA_ROPE)
+# The scale floor of its groups, as the float32 the kernel takes.
+MLA_EPS = float(numpy.float32(cache_layout.MLA_SCALE_EPS))
 
 raw_kernels.register_module(
     "quant", ["common.cuh", "quant.cu"], capabilities=raw_kernels.at_least(8, 0),
     ops=("quantize_fp8", "IndexerKCache.insert", "IndexerKCache.gather", "MLAKVCache.insert"),
     needs="portable CUDA",
-    defines=dict(CPS_MAX_VEC=MAX_VEC, CPS_MLA_LORA=MLA_LORA, CPS_MLA_ROPE=MLA_ROPE,
+    defines=dict(CPS_MAX_VEC=MAX_VEC, CPS_MLA_LORA=MLA_LORA,
+                 CPS_MLA_GROUP=cache_layout.MLA_QUANT_BLOCK, CPS_MLA_ROPE=MLA_ROPE,
                  CPS_MLA_RECORD_BYTES=MLA_RECORD_BYTES))
 
 
@@ -108,11 +113,11 @@ def _rows_f32(cp, x, width):
     return x, width
 
 
-def mla_insert(cp, cache, kv_c, k_pe, slot_mapping, eps):
+def mla_insert(cp, cache, kv_c, k_pe, slot_mapping):
     """Encode and store fp8_ds_mla records (:func:`cpsparse.reference.cache.mla_encode`
     then :func:`~cpsparse.reference.cache.mla_insert`, bit for bit) in one launch:
     kv_c [N, 512], k_pe [N, 64] (any float dtype, row strides allowed), slot -1 and
-    out-of-range slots skipped. ``eps``: the scale floor times 448 (the reference's)."""
+    out-of-range slots skipped."""
     n = kv_c.shape[0]
     if n == 0:
         return
@@ -121,7 +126,7 @@ def mla_insert(cp, cache, kv_c, k_pe, slot_mapping, eps):
     fn = raw_kernels.kernel("quant", "cps_mla_quant_and_cache", MLA_INSERT_ARGS)
     fn((blocks_for(n, WARPS_PER_BLOCK),), (32 * WARPS_PER_BLOCK,),
        (kv, kv_stride, pe, pe_stride, index_i32(cp, slot_mapping), cache.data,
-        cache.num_slots, n, eps))
+        cache.num_slots, n, MLA_EPS))
 
 
 def hold_stream(cp, ms):
