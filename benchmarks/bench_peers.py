@@ -57,17 +57,21 @@ METHOD = ("cpsparse.timing: *_ms public call eager (CUDA events, host included, 
 def workloads():
     """Every workload: dicts with name, kind, peer and the sizes (no device needed)."""
     out = []
-    for b, sq, h in ((1, 1, 128), (8, 1, 128), (128, 1, 128), (128, 2, 128), (64, 2, 64)):
-        out.append(dict(name=f"mla_decode_B{b}_sq{sq}_H{h}", kind="mla_decode",
-                        peer="flashmla", B=b, s_q=sq, H=h, ctx=32768))
+    # "_bf16io": FlashMLA's dtypes on cpsparse's side too: bfloat16 q (and prefill rows)
+    # in, a bfloat16 out (CuPy >= 14); the plain rows: float16 in, float32 out.
+    for io in ("", "_bf16io"):
+        for b, sq, h in ((1, 1, 128), (8, 1, 128), (128, 1, 128), (128, 2, 128), (64, 2, 64)):
+            out.append(dict(name=f"mla_decode_B{b}_sq{sq}_H{h}{io}", kind="mla_decode",
+                            peer="flashmla", B=b, s_q=sq, H=h, ctx=32768, io=io[1:]))
     for h in (64, 128):                                   # issue 19: DeepSeek-V4's cache
         for k in (512, 1024):
             out.append(dict(name=f"mla_model1_decode_B128_H{h}_topk{k}_w128",
                             kind="mla_model1_decode", peer="flashmla", B=128, s_q=1, H=h,
                             topk=k, window=128, ctx=32768))
-    for t, h in ((4096, 128), (4096, 64)):
-        out.append(dict(name=f"mla_prefill_T{t}_H{h}", kind="mla_prefill", peer="flashmla",
-                        T=t, H=h, S=8192))
+    for io in ("", "_bf16io"):
+        for t, h in ((4096, 128), (4096, 64)):
+            out.append(dict(name=f"mla_prefill_T{t}_H{h}{io}", kind="mla_prefill",
+                            peer="flashmla", T=t, H=h, S=8192, io=io[1:]))
     for t, s in ((8192, 8192), (2048, 65536), (4096, 4096)):
         out.append(dict(name=f"indexer_prefill_T{t}_S{s}", kind="indexer_prefill",
                         peer="deepgemm", T=t, S=s))
@@ -302,6 +306,7 @@ def _rel(cp, ours, theirs):
 
 
 def _mla_check(cp, out, lse, p_out, p_lse):
+    out = out.astype(cp.float32, copy=False)          # a bfloat16 out (the _bf16io rows)
     out_rel, lse_rel = _rel(cp, out, p_out), _rel(cp, lse, p_lse)
     lse_abs = float(cp.abs(lse - p_lse).max())
     bad = int((~cp.isfinite(out)).sum() + (~cp.isfinite(lse)).sum())
@@ -579,21 +584,36 @@ def mla_decode_inputs(cp, cps, b, sq, h, ctx, topk=K, q_dtype=None, n_sets=2):
     return cache, sets
 
 
+def _io(s, w, sets):
+    """(cpsparse's sets, out_dtype, out bytes a value, the shapes' dtype note) of an MLA
+    workload: its float16 sets as they are and a float32 out, or for a ``_bf16io`` row
+    the same values as CuPy bfloat16 arrays (exact: they are bf16 values) and a bfloat16
+    out, FlashMLA's dtypes."""
+    if w.get("io") != "bf16":
+        return sets, None, 4, "bf16 values as float16 to cpsparse, float32 out"
+    import ml_dtypes
+    bf16 = ml_dtypes.bfloat16
+    conv = [tuple(a.astype(bf16) if a.dtype == s.cp.float16 else a for a in x) for x in sets]
+    return conv, "bfloat16", 2, "bfloat16 in and out on both sides"
+
+
 def run_mla_decode(s, w):
     cp, cps, torch = s.cp, s.cps, s.torch
     b, sq, h, ctx = w["B"], w["s_q"], w["H"], w["ctx"]
     t = b * sq
     cache, sets = mla_decode_inputs(cp, cps, b, sq, h, ctx)
     scale = cps.softmax_scale(128, 64)
+    ours, out_dtype, out_bytes, dtypes = _io(s, w, sets)
 
     def make_peer(fm):
         tsets = [(torch.from_dlpack(q).to(torch.bfloat16).view(b, sq, h, D_QK),
                   torch.from_dlpack(sl).view(b, sq, K)) for q, sl in sets]
         return _flashmla_decode(s, fm, cache, scale), tsets, _flashmla_compare(s, True)
-    got = _side_by_side(s, lambda q, sl: cps.sparse_mla_attention(q, cache, sl, scale), sets,
-                        10, [t * h * D_V * 4, t * h * 4], ["flash_mla"],
+    got = _side_by_side(s, lambda q, sl: cps.sparse_mla_attention(q, cache, sl, scale,
+                                                                  out_dtype=out_dtype),
+                        ours, 10, [t * h * D_V * out_bytes, t * h * 4], ["flash_mla"],
                         make_peer)
-    shapes = dict(B=b, s_q=sq, H=h, topk=K, ctx=ctx, cache="fp8_ds_mla")
+    shapes = dict(B=b, s_q=sq, H=h, topk=K, ctx=ctx, cache="fp8_ds_mla", dtype=dtypes)
     return [make_row(w["name"], w["peer"], shapes, flops=2.0 * t * h * K * (D_QK + D_V), **got)]
 
 
@@ -670,6 +690,8 @@ def run_mla_prefill(s, w):
     t, h, rows = w["T"], w["H"], w["S"]
     kv, sets = mla_prefill_inputs(cp, t, h, rows)
     scale = cps.softmax_scale(128, 64)
+    ours, out_dtype, out_bytes, dtypes = _io(s, w, sets)
+    [(ours_kv,)], _, _, _ = _io(s, w, [(kv,)])
 
     def make_peer(fm):
         tkv = torch.from_dlpack(kv).to(torch.bfloat16).view(rows, 1, D_QK)
@@ -677,10 +699,12 @@ def run_mla_prefill(s, w):
                  for q, i in sets]
         return (lambda q, i: fm.flash_mla_sparse_fwd(q, tkv, i, scale, D_V), tsets,
                 _flashmla_compare(s, False))
-    got = _side_by_side(s, lambda q, i: cps.sparse_mla_attention(q, kv, i, scale), sets, 2,
-                        [t * h * D_V * 4, t * h * 4], ["flash_mla"], make_peer)
-    got["notes"].append("cpsparse's times include its bf16 pre-pass of the kv rows")
-    shapes = dict(T=t, H=h, topk=K, kv_rows=rows, dtype="bf16 values (float16 to cpsparse)")
+    got = _side_by_side(s, lambda q, i: cps.sparse_mla_attention(q, ours_kv, i, scale,
+                                                                 out_dtype=out_dtype),
+                        ours, 2, [t * h * D_V * out_bytes, t * h * 4], ["flash_mla"], make_peer)
+    if out_dtype is None:
+        got["notes"].append("cpsparse's times include its bf16 pre-pass of the kv rows")
+    shapes = dict(T=t, H=h, topk=K, kv_rows=rows, dtype=dtypes)
     return [make_row(w["name"], w["peer"], shapes, flops=2.0 * t * h * K * (D_QK + D_V), **got)]
 
 

@@ -94,8 +94,8 @@ _HALF_LOAD0 = ("    att_load_pass(a, kv, slot, lane);\n    // The loop pulls til
                "    // The loop pulls tile t + 2")
 # The epilogue's bytes halved: the rows written as d_v / 2 wide (warpgroup 0's columns,
 # rows packed at half the stride): what a 16-bit output would write. Every product stays.
-_WRITE = ("    att_write_rows(st, w, base + ATT_OFF_L, out, lse, part_out, H, d_v, splits, WG, r0, r1,\n"
-          "                   t4, sink);\n}\n\n// The fp8_ds_mla cache")
+_WRITE = ("    att_write_rows<OUT16>(st, w, base + ATT_OFF_L, out, lse, part_out, out_fmt, H, d_v, "
+          "splits,\n                          WG, r0, r1, t4, sink);\n}\n\n// The kernels' bodies")
 _HALF_STORE = ("        att_store_pass<32, true>(a, sk, row0, lane);\n",
                "        if (pw < 4) att_store_pass<32, true>(a, sk, row0, lane);\n")
 VARIANTS = {
@@ -117,7 +117,7 @@ VARIANTS = {
     "halfload_nommas": [_DEC_QK, _DEC_PV0, _DEC_PV1, _HALF_LOAD0, _HALF_LOAD],
     "prodonly_nodeq": [_DEC_QK, _DEC_PV0, _DEC_PV1, _NODEQ],
     "prodonly_local": [_DEC_QK, _DEC_PV0, _DEC_PV1, _LOCAL],
-    "halfwrite": [(_WRITE, _WRITE.replace("H, d_v, splits, WG", "H, d_v / 2, splits, WG"))],
+    "halfwrite": [(_WRITE, _WRITE.replace("H, d_v, splits", "H, d_v / 2, splits"))],
 }
 # The variants that remove wgmma products on purpose (the others keep the base's count).
 VARIANTS_WITHOUT_PRODUCTS = ("nommas", "noqk", "nopv", "halfload_nommas", "prodonly_nodeq",
@@ -162,15 +162,16 @@ PREFILL_VARIANTS = {
     "nomath": [_PP_QK, _PP_PV_REGS, _PP_PV_SMEM],
     "nomask": [("    if ((mw.x & mw.y) != 0xffffffffu) {", "    if (false) {")],
     # the fixed costs of a CTA: its Q load (Q left as the smem held it) and its epilogue
-    "noq": [("    att_math_start<D>(q, q_half, w, H, sq, tid);\n    AttRows st;\n"
+    "noq": [("    att_math_start<D>(q, q_fmt, w, H, sq, tid);\n    AttRows st;\n"
              "    att_rows_init(st);\n    st.m0 = ATT_PP_MAX_INIT;",
              "    cps_fence_proxy_async();\n"
              "    att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);\n    AttRows st;\n"
              "    att_rows_init(st);\n    st.m0 = ATT_PP_MAX_INIT;")],
     # (a guard the compiler cannot fold: with O never read, ptxas drops the P V products)
-    "nowrite": [("    att_write_rows(st, w, base + ATT_OFF_L, out, lse, part_out, H, d_v, splits, wg,",
-                 "    if (d_v == -1) att_write_rows(st, w, base + ATT_OFF_L, out, lse, part_out, H,"
-                 " d_v, splits, wg,")],
+    "nowrite": [("    att_write_rows<OUT16>(st, w, base + ATT_OFF_L, out, lse, part_out, out_fmt, H,"
+                 " d_v, splits,\n                          wg,",
+                 "    if (d_v == -1) att_write_rows<OUT16>(st, w, base + ATT_OFF_L, out, lse,"
+                 " part_out, out_fmt, H, d_v, splits,\n                          wg,")],
 }
 PREFILL_SHAPES = [(4096, 128), (4096, 64)]          # (T, H); 8192 rows, top-k 2048
 PREFILL_ROWS = 8192
@@ -223,15 +224,15 @@ TIMELINE = [
      + "    if (threadIdx.x == 0) {\n        att_timeline_at(0);\n        unsigned sm;\n"
      "        asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm));\n"
      f"        if (blockIdx.x < {TIMELINE_CTAS}) att_timeline[blockIdx.x][5] = sm;\n    }}\n"),
-    ("    att_math_start<D>(q, q_half, w, H, sq, tid);\n    att_rows_init(st);\n"
+    ("    att_math_start<D>(q, q_fmt, w, H, sq, tid);\n    att_rows_init(st);\n"
      "    st.m0 = st.m1 = ATT_PP_MAX_INIT;\n",
-     "    att_math_start<D>(q, q_half, w, H, sq, tid);\n    if (tid == 0) att_timeline_at(1);\n"
+     "    att_math_start<D>(q, q_fmt, w, H, sq, tid);\n    if (tid == 0) att_timeline_at(1);\n"
      "    att_rows_init(st);\n    st.m0 = st.m1 = ATT_PP_MAX_INIT;\n"),
     ("            att_bar_sync(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);\n",
      "            att_bar_sync(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);\n"
      "            if (tid == 0 && it == w.t_first) att_timeline_at(2);\n"),
     (_WRITE, "    if (tid == 0) att_timeline_at(3);\n" + _WRITE.replace(
-        "                   t4, sink);\n}", "                   t4, sink);\n"
+        "WG, r0, r1, t4, sink);\n}", "WG, r0, r1, t4, sink);\n"
         "    if (tid == 0) att_timeline_at(4);\n}")),
 ]
 TIMELINE_SHAPES = [(128, 1, 128), (128, 2, 128)]    # (B, s_q, H): 2 and 4 waves of CTAs

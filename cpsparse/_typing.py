@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-__all__ = ["Array", "IntLike", "FloatLike", "ScaleFormat", "ModuleLike"]
+__all__ = ["Array", "IntLike", "FloatLike", "ScaleFormat", "ModuleLike", "DTypeLike"]
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -31,5 +31,7 @@ if TYPE_CHECKING:
     ScaleFormat: TypeAlias = Optional[str]
     #: ``numpy``, ``cupy``, or one of the names ``"numpy"``, ``"cupy"``, ``"auto"``.
     ModuleLike: TypeAlias = Union[ModuleType, str]
+    #: A dtype argument: a name (``"bfloat16"``), a NumPy/ml_dtypes scalar type or a dtype.
+    DTypeLike: TypeAlias = Union[str, type, numpy.dtype[Any]]
 else:
-    Array = IntLike = FloatLike = ScaleFormat = ModuleLike = Any
+    Array = IntLike = FloatLike = ScaleFormat = ModuleLike = DTypeLike = Any

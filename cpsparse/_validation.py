@@ -230,6 +230,49 @@ def squeeze_axis(name, a, axis, ndim):
     return a
 
 
+# What an op's ``out_dtype`` may be: float32 (the default), or a 16-bit output the
+# kernels round to in their epilogue (bfloat16 is FlashMLA's; ml_dtypes' dtype).
+OUT_DTYPES = ("float32", "bfloat16", "float16")
+_OUT_DTYPES: dict[Any, Any] = {}
+
+
+def check_out_dtype(xp, out_dtype):
+    """The numpy dtype of an op's ``out_dtype`` (None: float32), memoized by value:
+    float32, bfloat16 (a name, ml_dtypes' type or dtype) or float16."""
+    key = (xp, out_dtype if isinstance(out_dtype, str) else repr(out_dtype))
+    dtype = _OUT_DTYPES.get(key)
+    if dtype is not None:
+        return dtype
+    expected = "float32, bfloat16 or float16"
+    if out_dtype is None:
+        dtype = numpy.dtype(numpy.float32)
+    elif isinstance(out_dtype, str) and out_dtype == "bfloat16":
+        try:
+            import ml_dtypes                  # numpy knows "bfloat16" once it is imported
+        except ImportError:
+            raise TypeError("Invalid out_dtype: bfloat16 needs the ml_dtypes package "
+                            "(its NumPy dtype), which is not installed") from None
+        dtype = numpy.dtype(ml_dtypes.bfloat16)
+    else:
+        try:
+            dtype = numpy.dtype(out_dtype)
+        except TypeError:
+            raise TypeError(f"Invalid out_dtype: expected {expected}, "
+                            f"got {out_dtype!r}") from None
+    if dtype.name not in OUT_DTYPES:
+        raise TypeError(f"Invalid out_dtype: expected {expected}, got {dtype.name}")
+    if dtype.name == "bfloat16" and xp is not numpy:
+        try:
+            xp.empty(0, dtype=dtype)
+        except Exception:                     # CuPy before 14 has no bfloat16 arrays
+            raise TypeError(f"Invalid out_dtype: bfloat16 on CuPy needs CuPy >= 14, got "
+                            f"CuPy {getattr(xp, '__version__', '?')}") from None
+    if len(_OUT_DTYPES) > 64:
+        _OUT_DTYPES.clear()
+    _OUT_DTYPES[key] = dtype
+    return dtype
+
+
 def check_bool(name: str, value: object) -> bool:
     """A bool (numpy.bool_ too): a flag that silently took 0 / 1 / "no" would hide a
     caller's mistake."""

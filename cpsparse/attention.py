@@ -3,7 +3,8 @@
 Shapes (DeepSeek-V3.2): a query head is ``[q_nope absorbed by W_UK (512) |
 q_pe (64)]`` = 576 wide; a key is ``[kv_c | k_pe]`` (576); the value is
 ``kv_c`` (the first ``d_v`` = 512 columns of the key row). Outputs are
-``out`` [T, H, d_v] and ``lse`` [T, H], both float32, lse in natural log.
+``out`` [T, H, d_v] (float32, or bfloat16 / float16 with ``out_dtype``) and ``lse``
+[T, H] (float32), lse in natural log.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from cpsparse.reference import cache as _cache_ref
 from cpsparse.reference import context_parallel as _cp_ref
 
 if TYPE_CHECKING:
-    from cpsparse._typing import Array, FloatLike, IntLike
+    from cpsparse._typing import Array, DTypeLike, FloatLike, IntLike
 
 __all__ = ["sparse_mla_attention", "dense_mla_attention", "local_to_global_slots",
            "softmax_scale"]
@@ -135,13 +136,15 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
                          attn_sink: Array | None = None, topk_length: Array | None = None,
                          extra_kv_cache: MLAKVCache | Array | None = None,
                          extra_indices: Array | None = None,
-                         extra_topk_length: Array | None = None) -> tuple[Array, Array]:
+                         extra_topk_length: Array | None = None,
+                         out_dtype: DTypeLike | None = None) -> tuple[Array, Array]:
     """Attention of each query token over the key rows its top-k selected.
 
     Parameters
     ----------
     q : float [T, H, D]
-        Absorbed queries (D = 576 for DeepSeek-V3.2).
+        Absorbed queries (D = 576 for DeepSeek-V3.2): float16, float32, float64 or
+        bfloat16 (ml_dtypes' dtype; on CuPy >= 14 the kernels read it as it is).
     kv_cache : MLAKVCache, uint8 [num_blocks, block_size, token_bytes] or float [S, D]
         The paged fp8_ds_mla cache (dequantized on the fly; FlashMLA's
         ``[num_blocks, block_size, 1, 656]`` view is accepted), DeepSeek-V4's
@@ -177,10 +180,15 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
         Slots of ``extra_kv_cache`` (given with it, same masking rules).
     extra_topk_length : int32 or int64 [T], optional
         ``topk_length`` of ``extra_indices``.
+    out_dtype : {None, "float32", "bfloat16", "float16"} or dtype, optional
+        dtype of ``out`` (default float32): the float32 result rounded to nearest
+        even, on CuPy in the kernel's epilogue (FlashMLA's output is bfloat16: a 16-bit
+        ``out`` writes half the bytes). bfloat16 needs ml_dtypes (and CuPy >= 14).
+        ``lse`` is float32 either way.
 
     Returns
     -------
-    out : float32 [T, H, d_v]
+    out : float32 [T, H, d_v] (or ``out_dtype``)
     lse : float32 [T, H]
         Natural-log sum of exp of the scaled scores; a row with no valid index
         gets ``out = 0`` and ``lse = -inf``. A NaN in a query or in a valid key
@@ -209,12 +217,19 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
     ...                                 d_v=4, topk_length=np.array([1]))
     >>> out[0, 0], lse[0]
     (array([1., 0., 0., 0.], dtype=float32), array([0., 0.], dtype=float32))
+
+    A 16-bit output (rounded from the float32 result):
+
+    >>> out, _ = sparse_mla_attention(q, kv, np.array([[0, 1, 2]], np.int32), 1.0, d_v=4,
+    ...                               out_dtype="float16")
+    >>> out[0, 0]
+    array([0.3333, 0.3333, 0.3333, 0.    ], dtype=float16)
     """
     if attn_sink is not None or topk_length is not None or extra_kv_cache is not None \
             or extra_indices is not None or extra_topk_length is not None:
         return _sparse_with_extras(q, kv_cache, indices, sm_scale, d_v, attn_sink,
                                    topk_length, extra_kv_cache, extra_indices,
-                                   extra_topk_length)
+                                   extra_topk_length, out_dtype)
     if isinstance(kv_cache, MLAKVCache):
         data, wrapped = kv_cache.data, (type(kv_cache), kv_cache.kv_lora_rank,
                                         kv_cache.rope_dim)
@@ -222,7 +237,9 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
         data, wrapped = kv_cache, None
     key = V.layouts(q, indices, data)
     if key is not None:
-        key += (type(sm_scale), sm_scale, type(d_v), d_v, wrapped)
+        key += (type(sm_scale), sm_scale, type(d_v), d_v, wrapped, type(out_dtype),
+                out_dtype if isinstance(out_dtype, str) or out_dtype is None
+                else repr(out_dtype))
     hit = _SPARSE_CALLS.get(key)
     if hit is None:
         xp = _backend.get_array_module(q=q, indices=indices, kv_cache=data)
@@ -233,11 +250,12 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
         V.check_index("indices", indices, ndim=2, shape=(tokens, None),
                       shape_desc="[T, topk] or [T, 1, topk]")
         sm_scale = _check_scale(sm_scale)
+        out_dt = V.check_out_dtype(xp, out_dtype)
         # A raw fp8_ds_mla array is found again by its latent width (the layout
         # checks passed), a dense workspace by None.
         lora = source.kv_lora_rank if isinstance(source, MLAKVCache) else None
     else:                                  # the same layouts passed the checks above
-        xp, d_v, sm_scale, lora, launch = hit
+        xp, d_v, sm_scale, lora, out_dt, launch = hit
         if indices.ndim == 3:
             indices = indices.reshape(indices.shape[0], indices.shape[2])
         run = V.memo_launch(xp, launch)
@@ -252,11 +270,12 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
         # fp8_ds_mla records (not MODEL1's pages, not dense rows): the kernel's launch,
         # prepared once, after every check (the call then costs a launch or two: a decode
         # loop's eager attention is bound by host time).
-        launch = _katt.call_launch(xp, q, data, source.records(), indices, sm_scale, d_v) \
+        launch = _katt.call_launch(xp, q, data, source.records(), indices, sm_scale, d_v,
+                                   out_dt) \
             if _backend.use_kernels(xp) and isinstance(source, MLAKVCache) \
             and not isinstance(source, Model1KVCache) else None
-        _SPARSE_CALLS.put(key, (xp, d_v, sm_scale, lora, launch))
-    return sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v)
+        _SPARSE_CALLS.put(key, (xp, d_v, sm_scale, lora, out_dt, launch))
+    return sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v, out_dtype=out_dt)
 
 
 _SPARSE_CALLS = V.CallMemo("sparse_mla_attention")
@@ -292,7 +311,7 @@ def _check_lengths(xp, name, lengths, tokens):
 
 
 def _sparse_with_extras(q, kv_cache, indices, sm_scale, d_v, attn_sink, topk_length,
-                        extra_kv_cache, extra_indices, extra_topk_length):
+                        extra_kv_cache, extra_indices, extra_topk_length, out_dtype):
     """:func:`sparse_mla_attention` with FlashMLA's extras. On CuPy with MODEL1 caches
     only, one kernel does it all (lengths, both lists in one softmax, the sink);
     otherwise each key source goes through the core (kernels or reference), merged by
@@ -315,6 +334,7 @@ def _sparse_with_extras(q, kv_cache, indices, sm_scale, d_v, attn_sink, topk_len
     source, indices, d_v = _check_sparse_source(xp, q, kv_cache, indices, d_v,
                                                 ("kv_cache", "indices"))
     sm_scale = _check_scale(sm_scale)
+    out_dt = V.check_out_dtype(xp, out_dtype)
     _check_lengths(xp, "topk_length", topk_length, tokens)
     if attn_sink is not None:
         V.check_array("attn_sink", attn_sink, dtype="float32", shape=(heads,),
@@ -327,21 +347,26 @@ def _sparse_with_extras(q, kv_cache, indices, sm_scale, d_v, attn_sink, topk_len
         parts.append((e_source, e_indices, extra_topk_length))
     if len(parts) == 1:
         # One key source: its lengths and the sink go into the kernel (or the reference).
-        out, lse = sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v,
-                                             topk_length, attn_sink)
-        return out.astype(xp.float32), lse.astype(xp.float32)
+        return sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v,
+                                         topk_length, attn_sink, out_dt)
     if _backend.use_kernels(xp) and _katt.supports_model1(q.shape, d_v) and all(
             isinstance(src, Model1KVCache) for src, _, _ in parts):
         # Two MODEL1 caches: both lists in one softmax of one kernel.
         return _katt.sparse_mla_attention_model1(
             xp, q, [(src.data, src.block_size, idx, n) for src, idx, n in parts], sm_scale,
-            d_v, attn_sink)
+            d_v, attn_sink, out_dtype=out_dt)
     results = [sparse_mla_attention_core(xp, q, src, idx, sm_scale, d_v, n)
                for src, idx, n in parts]
     out, lse = _cp_ref.merge_attention(xp.stack([o for o, _ in results]),
                                        xp.stack([lse for _, lse in results]))
-    out = _with_sink(xp, out, lse, attn_sink)
-    return out.astype(xp.float32), lse.astype(xp.float32)
+    return _as_out(xp, _with_sink(xp, out, lse, attn_sink), out_dt), lse.astype(xp.float32)
+
+
+def _as_out(xp, out, out_dtype):
+    """out as the op returns it: float32, then rounded to ``out_dtype`` (as the kernels
+    round their float32 rows)."""
+    out = out.astype(xp.float32, copy=False)
+    return out if out_dtype == out.dtype else out.astype(out_dtype)
 
 
 def _with_sink(xp, out, lse, attn_sink):
@@ -357,11 +382,12 @@ def _with_sink(xp, out, lse, attn_sink):
 
 
 def sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v, lengths=None,
-                              attn_sink=None):
+                              attn_sink=None, out_dtype=numpy.dtype(numpy.float32)):
     """:func:`sparse_mla_attention` on validated arguments: ``source`` is an
     :class:`MLAKVCache` (fp8_ds_mla or MODEL1) or a dense workspace [S, D]; row t
     attends to its first ``lengths[t]`` indices (all when None); ``attn_sink`` [H]
-    or None. On the kernel path the lengths and the sink are read by the kernel."""
+    or None; ``out_dtype`` a checked numpy dtype (:func:`V.check_out_dtype`). On the
+    kernel path the lengths and the sink are read by the kernel."""
     if _backend.use_kernels(xp):
         if isinstance(source, Model1KVCache):
             # the kernel reads the pages (MODEL1's records() would build a device
@@ -369,25 +395,27 @@ def sparse_mla_attention_core(xp, q, source, indices, sm_scale, d_v, lengths=Non
             if _katt.supports_model1(q.shape, d_v):
                 return _katt.sparse_mla_attention_model1(
                     xp, q, [(source.data, source.block_size, indices, lengths)], sm_scale,
-                    d_v, attn_sink)
+                    d_v, attn_sink, out_dtype=out_dtype)
         else:
             rows, decode = _rows_of(source)
             fp8 = decode is not None
             if _katt.supports(q.shape, d_v) and _katt.supports_rows(rows, fp8) \
                     and _katt.supports_scale(sm_scale, fp8):
                 return _katt.sparse_mla_attention(xp, q, rows, indices, sm_scale, d_v, fp8,
-                                                  lengths=lengths, attn_sink=attn_sink)
+                                                  lengths=lengths, attn_sink=attn_sink,
+                                                  out_dtype=out_dtype)
         _backend.warn_fallback("sparse_mla_attention", tuple(q.shape) + (d_v,),
                                "this head dim / d_v / record size / sm_scale")
     rows, decode = _rows_of(source)
     out, lse = _ref.sparse_mla_attention(q, rows, _first(xp, indices, lengths), sm_scale, d_v,
                                          decode)
-    return _with_sink(xp, out, lse, attn_sink), lse
+    return _as_out(xp, _with_sink(xp, out, lse, attn_sink), out_dtype), lse
 
 
 def dense_mla_attention(q: Array, kv: Array, sm_scale: FloatLike, *,
                         cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
-                        d_v: IntLike | None = None) -> tuple[Array, Array]:
+                        d_v: IntLike | None = None,
+                        out_dtype: DTypeLike | None = None) -> tuple[Array, Array]:
     """Dense causal MLA attention over packed requests (the short-prefill route).
 
     Query i of a request with ``q_len`` queries and ``k_len`` keys sees keys
@@ -405,10 +433,12 @@ def dense_mla_attention(q: Array, kv: Array, sm_scale: FloatLike, *,
         Packed offsets; default one request of all T queries and S keys.
     d_v : int, optional
         Default ``D - 64``.
+    out_dtype : {None, "float32", "bfloat16", "float16"} or dtype, optional
+        dtype of ``out``, as in :func:`sparse_mla_attention`.
 
     Returns
     -------
-    out : float32 [T, H, d_v], lse : float32 [T, H]
+    out : float32 [T, H, d_v] (or ``out_dtype``), lse : float32 [T, H]
 
     Examples
     --------
@@ -428,6 +458,7 @@ def dense_mla_attention(q: Array, kv: Array, sm_scale: FloatLike, *,
                   shape_desc="[S, D]")
     d_v = _check_d_v(dqk - DEFAULT_ROPE_DIM if d_v is None else d_v, dqk)
     sm_scale = _check_scale(sm_scale)
+    out_dt = V.check_out_dtype(xp, out_dtype)
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("Invalid cu_seqlens: expected both cu_seqlens_q and cu_seqlens_k "
                          "or neither")
@@ -446,18 +477,21 @@ def dense_mla_attention(q: Array, kv: Array, sm_scale: FloatLike, *,
             if cu[-1] != total:
                 raise ValueError(f"Invalid {name}: expected the last entry to be {total}, "
                                  f"got {int(cu[-1])}")
-    return dense_mla_attention_core(xp, q, kv, sm_scale, d_v, cu_q, cu_k)
+    return dense_mla_attention_core(xp, q, kv, sm_scale, d_v, cu_q, cu_k, out_dtype=out_dt)
 
 
-def dense_mla_attention_core(xp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges=None):
+def dense_mla_attention_core(xp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges=None,
+                             out_dtype=numpy.dtype(numpy.float32)):
     """:func:`dense_mla_attention` on validated arguments (host int64 cu arrays;
     ``key_ranges``: the per-query (first key, key count) device arrays, if known)."""
     if _backend.use_kernels(xp):
         if _katt.supports(q.shape, d_v) and _katt.supports_scale(sm_scale, False):
-            return _katt.dense_mla_attention(xp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges)
+            return _katt.dense_mla_attention(xp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges,
+                                             out_dtype)
         _backend.warn_fallback("dense_mla_attention", tuple(q.shape) + (d_v,),
                                "this head dim / d_v / sm_scale")
-    return _ref.dense_mla_attention(q, kv, sm_scale, d_v, cu_q, cu_k)
+    out, lse = _ref.dense_mla_attention(q, kv, sm_scale, d_v, cu_q, cu_k)
+    return _as_out(xp, out, out_dtype), lse
 
 
 def local_to_global_slots(indices: Array, req_ids: Array, block_table: Array,

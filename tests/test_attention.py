@@ -141,6 +141,72 @@ def test_sparse_small_head_dim_and_low_precision_inputs():
         assert_attention_close(got, exp)
 
 
+@pytest.mark.parametrize("out_dtype,want", [(None, np.float32), ("float32", np.float32),
+                                             ("bfloat16", ml_dtypes.bfloat16),
+                                             (ml_dtypes.bfloat16, ml_dtypes.bfloat16),
+                                             ("float16", np.float16),
+                                             (np.dtype(np.float16), np.float16)])
+def test_out_dtype_rounds_the_float32_out(out_dtype, want):
+    """out_dtype on every route (dense rows, the fp8 cache, with the extras, dense
+    causal): the float32 out rounded to nearest even (NaN rows stay NaN), lse float32
+    and unchanged."""
+    rng = np.random.default_rng(7)
+    cache, slots, _, _ = filled_mla_cache(rng)
+    kv = rng.standard_normal((30, DQK)).astype(np.float32)
+    q = rng.standard_normal((3, 4, DQK)).astype(np.float32) * 0.1
+    q[1, 2, 5] = np.nan
+    idx = random_indices(rng, 3, 10, 30, p_masked=0.2)
+    idx[:, 0] = 1
+    sink = rng.standard_normal(4).astype(np.float32)
+    calls = [lambda **kw: sparse_mla_attention(q, kv, idx, SCALE, **kw),
+             lambda **kw: sparse_mla_attention(q, cache, slots[idx % slots.size], SCALE,
+                                               **kw),
+             lambda **kw: sparse_mla_attention(q, cache, slots[idx % slots.size], SCALE,
+                                               attn_sink=sink, topk_length=np.array([1, 5, 9]),
+                                               **kw),
+             lambda **kw: sparse_mla_attention(q, cache, slots[idx % slots.size], SCALE,
+                                               extra_kv_cache=kv, extra_indices=idx, **kw),
+             lambda **kw: dense_mla_attention(q, kv, SCALE, **kw)]
+    for call in calls:
+        out32, lse32 = call()
+        out, lse = call(out_dtype=out_dtype)
+        assert out.dtype == np.dtype(want) and lse.dtype == np.float32
+        expect = out32.astype(want)
+        nan = np.isnan(expect.astype(np.float32))
+        assert nan[1, 2].all() and (np.isnan(out.astype(np.float32)) == nan).all()
+        assert (out[~nan].view(np.uint8) == expect[~nan].view(np.uint8)).all()
+        np.testing.assert_array_equal(lse, lse32)
+
+
+@pytest.mark.parametrize("bad", ["float64", np.int32, "bf16", 3, object()])
+def test_out_dtype_refuses_other_types(bad):
+    """Any out_dtype but float32, bfloat16 and float16 is a TypeError naming it, before
+    any work (on both ops)."""
+    kv = np.zeros((4, 8), np.float32)
+    q = np.zeros((1, 1, 8), np.float32)
+    for call in (lambda: sparse_mla_attention(q, kv, np.zeros((1, 2), np.int32), 1.0,
+                                              d_v=4, out_dtype=bad),
+                 lambda: dense_mla_attention(q, kv, 1.0, d_v=4, out_dtype=bad)):
+        with pytest.raises(TypeError, match="Invalid out_dtype: expected float32, "
+                                            "bfloat16 or float16"):
+            call()
+
+
+def test_out_dtype_bfloat16_by_name_needs_ml_dtypes(monkeypatch):
+    """out_dtype="bfloat16" imports ml_dtypes (its NumPy dtype): without it, a TypeError
+    that says so; the other dtypes need nothing."""
+    from cpsparse import _validation
+    monkeypatch.setattr(_validation, "_OUT_DTYPES", {})
+    monkeypatch.setitem(__import__("sys").modules, "ml_dtypes", None)   # import fails
+    kv, q = np.zeros((4, 8), np.float32), np.zeros((1, 1, 8), np.float32)
+    with pytest.raises(TypeError, match="bfloat16 needs the ml_dtypes package"):
+        sparse_mla_attention(q, kv, np.zeros((1, 2), np.int32), 1.0, d_v=4,
+                             out_dtype="bfloat16")
+    out, _ = sparse_mla_attention(q, kv, np.zeros((1, 2), np.int32), 1.0, d_v=4,
+                                  out_dtype="float16")
+    assert out.dtype == np.float16
+
+
 def test_sparse_masked_rows_and_repeats():
     rng = np.random.default_rng(6)
     kv = rng.standard_normal((10, DQK)).astype(np.float32)

@@ -25,6 +25,10 @@ DESIGN_NAMES = (
     # issue 20: MXFP4 keys against DeepGEMM's fp8 on the same contexts
     + [f"indexer_decode_{w}_mxfp4" for w in ("B64_ctx32768_n1", "B64_ctx32768_n2",
                                              "B4_ctx131072_n1")]
+    # FlashMLA's dtypes on cpsparse's side too: bfloat16 in, bfloat16 out
+    + [f"mla_decode_{w}_bf16io" for w in ("B1_sq1_H128", "B8_sq1_H128", "B128_sq1_H128",
+                                          "B128_sq2_H128", "B64_sq2_H64")]
+    + [f"mla_prefill_T4096_H{h}_bf16io" for h in (128, 64)]
     # issue 16: a batch of mixed context lengths (the decode schedule balanced over them)
     + [f"indexer_decode_B64_ctx65536_n{n}_mixed" for n in (1, 2)]
     + [base + suffix for suffix in ("", "_shift100", "_scale1e-8", "_low10bits")
@@ -44,7 +48,7 @@ def _t(ms):
 
 def test_row_names_are_design_section_12():
     assert sorted(bp.row_names()) == sorted(DESIGN_NAMES)
-    assert len(set(bp.row_names())) == len(DESIGN_NAMES) == 52
+    assert len(set(bp.row_names())) == len(DESIGN_NAMES) == 59
     for w in bp.workloads():
         assert w["peer"] == PEERS[w["name"].split("_")[0]], w
         assert w["kind"] in bp.RUNNERS and w["kind"] in bp.KERNEL_MODULES
@@ -52,8 +56,9 @@ def test_row_names_are_design_section_12():
 
 def test_only_selects_by_prefix():
     names = lambda prefixes: [w["name"] for w in bp.select(prefixes)]  # noqa: E731
-    assert len(names(None)) == 48
-    assert names(["mla_decode"]) == DESIGN_NAMES[:5]
+    assert len(names(None)) == 55
+    assert names(["mla_decode"]) == DESIGN_NAMES[:5] + [
+        n for n in DESIGN_NAMES if n.startswith("mla_decode") and n.endswith("_bf16io")]
     assert names(["indexer_decode_B64_ctx32768_n2"]) == ["indexer_decode_B64_ctx32768_n2",
                                                          "indexer_decode_B64_ctx32768_n2_mxfp4"]
     got = names(["topk_decode_64x32768", "indexer_decode_B1"])

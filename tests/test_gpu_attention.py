@@ -838,3 +838,157 @@ def test_memoized_launch_steps_aside(cp, attention_core_calls, prepared_elsewher
         cpsparse.set_device_value_checks(previous)
     assert len(attention_core_calls) == fills + 1, case
     assert_flashmla_close(got, sparse_mla_attention(q, rows, idx, SCALE), case)
+
+
+# ---- bfloat16 arrays (CuPy >= 14) and 16-bit outputs --------------------------------
+@pytest.fixture(scope="module")
+def bf16(cp):
+    """ml_dtypes' bfloat16, or a skip where this CuPy has no bfloat16 arrays (< 14)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    try:
+        cp.empty(1, dtype=ml_dtypes.bfloat16)
+    except Exception as e:                       # noqa: BLE001 - any refusal means "no"
+        pytest.skip(f"CuPy {cp.__version__} has no bfloat16 arrays: {e}")
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _bits(a):
+    a = a.get() if hasattr(a, "get") else a
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def assert_same_bits(got, want, what):
+    """Bit-identical arrays, every NaN counted as one NaN (the kernel and the host may
+    write different NaN payloads)."""
+    got = got.get() if hasattr(got, "get") else got
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{what}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
+    nan = np.isnan(want.astype(np.float32))
+    assert (np.isnan(got.astype(np.float32)) == nan).all(), f"{what}: NaN positions differ"
+    diff = (_bits(got) != _bits(want)) & ~nan
+    assert not diff.any(), f"{what}: {int(diff.sum())} of {diff.size} elements differ"
+
+
+def _attention_cases(cp, rng):
+    """(name, call(q, **kw)) of every kernel route over the same bf16-exact queries: the
+    fp8 cache (one pass and split), dense rows, MODEL1 (split), dense causal."""
+    host, rows_h = flashmla_like_cache(rng, 40)
+    dev = cpsparse.MLAKVCache.wrap(cp.asarray(host.data))
+    m1_host, m1_dev = model1_caches(cp, rng, 12)
+    rows_d = cp.asarray(bf16_normal(rng, (500, 576), 0.5))
+    idx_fp8 = cp.asarray(ragged_indices(rng, 140, 2048, host.num_slots))
+    idx_rows = cp.asarray(ragged_indices(rng, 6, 512, 500))
+    idx_m1 = cp.asarray(ragged_indices(rng, 70, 512, m1_host.num_slots))
+    sink = cp.asarray(rng.standard_normal(128).astype(np.float32))
+    return [
+        ("fp8 one pass", (140, 128, 576),
+         lambda q, **kw: sparse_mla_attention(q, dev, idx_fp8, SCALE, **kw)),
+        ("fp8 split, sink", (2, 128, 576),
+         lambda q, **kw: sparse_mla_attention(q, dev, idx_fp8[:2], SCALE, attn_sink=sink,
+                                              **kw)),
+        ("dense rows", (6, 64, 576),
+         lambda q, **kw: sparse_mla_attention(q, rows_d, idx_rows, SCALE, **kw)),
+        ("model1 split", (5, 128, 512),
+         lambda q, **kw: sparse_mla_attention(q, m1_dev, idx_m1[:5], M1_SCALE, **kw)),
+        ("model1 one pass", (70, 128, 512),
+         lambda q, **kw: sparse_mla_attention(q, m1_dev, idx_m1, M1_SCALE, **kw)),
+        ("dense causal", (7, 64, 576),
+         lambda q, **kw: dense_mla_attention(q, rows_d[:300], SCALE, **kw)),
+    ]
+
+
+def test_bfloat16_queries_are_read_as_they_are(cp, katt, bf16):
+    """A CuPy bfloat16 q (CuPy >= 14: ml_dtypes' dtype) gives every kernel route the
+    bits of the same values in float32 and float16 (the kernels round those to bf16,
+    exact here): read as 2-byte bf16, never as float32 (which read twice its bytes)."""
+    rng = np.random.default_rng(61)
+    for name, shape, call in _attention_cases(cp, rng):
+        q32 = cp.asarray(bf16_normal(rng, shape, 0.1))
+        want = [a.get() for a in call(q32)]
+        for q in (q32.astype(bf16), q32.astype(cp.float16)):
+            poison_pool(cp)
+            out, lse = call(q)
+            assert_same_bits(out, want[0], f"{name}: out of a {q.dtype} q")
+            assert_same_bits(lse, want[1], f"{name}: lse of a {q.dtype} q")
+
+
+def test_bfloat16_dense_rows_are_read_as_they_are(cp, katt, bf16):
+    """Dense bfloat16 rows (sparse and causal routes) give the bits of the same rows in
+    float32; the rows are only viewed (to_bf16 returns their own memory)."""
+    rng = np.random.default_rng(62)
+    rows32 = cp.asarray(bf16_normal(rng, (400, 576), 0.5))
+    rows16 = rows32.astype(bf16)
+    assert katt.to_bf16(cp, rows16).data.ptr == rows16.data.ptr
+    q = cp.asarray(bf16_normal(rng, (6, 64, 576), 0.1))
+    idx = cp.asarray(ragged_indices(rng, 6, 512, 400))
+    for got, want in [(sparse_mla_attention(q, rows16, idx, SCALE),
+                       sparse_mla_attention(q, rows32, idx, SCALE)),
+                      (dense_mla_attention(q, rows16[:200], SCALE),
+                       dense_mla_attention(q, rows32[:200], SCALE))]:
+        for g, w in zip(got, want):
+            assert_same_bits(g, w.get(), "bf16 rows")
+
+
+@pytest.mark.parametrize("out_name", ["bfloat16", "float16"])
+def test_16bit_out_is_the_float32_out_rounded(cp, katt, bf16, out_name):
+    """out_dtype bfloat16 / float16 on every kernel route (the fp8 kernel's epilogue one
+    pass and through the split-KV merge, the dense-rows and MODEL1 kernels, dense
+    causal): the float32 out rounded to nearest even, bit for bit (NaN rows too), lse
+    float32 and unchanged; in a NaN-poisoned pool, so an unwritten element shows up."""
+    out_dtype = bf16 if out_name == "bfloat16" else np.dtype(np.float16)
+    rng = np.random.default_rng(63)
+    for name, shape, call in _attention_cases(cp, rng):
+        q = bf16_normal(rng, shape, 0.1)
+        q[0, 3, 7] = np.nan                       # a NaN row through both writers
+        q = cp.asarray(q)
+        out32, lse32 = (a.get() for a in call(q))
+        poison_pool(cp)
+        out, lse = call(q, out_dtype=out_name)
+        assert_same_bits(out, out32.astype(out_dtype), f"{name}: {out_name} out")
+        assert_same_bits(lse, lse32, f"{name}: lse with a {out_name} out")
+        assert np.isnan(out.get()[0, 3].astype(np.float32)).all(), name
+
+
+def test_16bit_out_in_the_prepared_call(cp, katt, bf16, attention_core_calls):
+    """The call memo's prepared launch (production mode) keys the out dtype: float32,
+    then bfloat16, then float32 again on the same layouts, each its own dtype and bits."""
+    rng = np.random.default_rng(64)
+    host, _ = flashmla_like_cache(rng, 40)
+    dev = cpsparse.MLAKVCache.wrap(cp.asarray(host.data))
+    q = cp.asarray(bf16_normal(rng, (3, 128, 576), 0.1)).astype(bf16)
+    idx = cp.asarray(rng.integers(0, host.num_slots, (3, 2048)).astype(np.int32))
+    previous = cpsparse.set_device_value_checks(False)
+    try:
+        results = [sparse_mla_attention(q, dev, idx, SCALE, out_dtype=dt)[0]
+                   for dt in (None, "bfloat16", None, bf16, "bfloat16")]
+    finally:
+        cpsparse.set_device_value_checks(previous)
+    assert [r.dtype for r in results] == [np.float32, bf16, np.float32, bf16, bf16]
+    want = results[0].get().astype(bf16)
+    for r in results[1:]:
+        assert_same_bits(r.get().astype(bf16), want, "prepared out")
+    # the first call of each out dtype took the checked path (None and bf16 are two
+    # memo entries; the dtype object and its name are two keys), the rest the launch
+    assert len(attention_core_calls) == 3
+
+
+def test_torch_bfloat16_through_dlpack(cp, katt, bf16):
+    """A torch bfloat16 query handed over by DLPack (zero-copy, CuPy >= 14) and a
+    bfloat16 out handed back: FlashMLA's dtypes on both sides."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(65)
+    host, _ = flashmla_like_cache(rng, 40)
+    dev = cpsparse.MLAKVCache.wrap(cp.asarray(host.data))
+    q32 = cp.asarray(bf16_normal(rng, (4, 128, 576), 0.1))
+    tq = torch.from_dlpack(q32).to(torch.bfloat16)
+    try:
+        q = cp.from_dlpack(tq)
+    except Exception as e:                       # noqa: BLE001
+        pytest.skip(f"CuPy {cp.__version__} does not import bfloat16 by DLPack: {e}")
+    assert q.dtype == bf16 and q.data.ptr == tq.data_ptr()
+    idx = cp.asarray(rng.integers(0, host.num_slots, (4, 2048)).astype(np.int32))
+    out, lse = sparse_mla_attention(q, dev, idx, SCALE, out_dtype="bfloat16")
+    want = sparse_mla_attention(q32, dev, idx, SCALE)
+    assert_same_bits(out, want[0].get().astype(bf16), "out")
+    t_out = torch.from_dlpack(out)
+    assert t_out.dtype == torch.bfloat16 and t_out.data_ptr() == out.data.ptr

@@ -112,3 +112,37 @@ def test_mla_insert_kernel_bit_exact(cp, form):
     host.insert_core(y[:, :512], y[:, 512:], bad)
     dev.insert_core(cp.asarray(y[:, :512]), cp.asarray(y[:, 512:]), cp.asarray(bad))
     assert np.array_equal(nan_as_one(dev.data.get()), nan_as_one(host.data))
+
+
+def test_bfloat16_inputs_quantize_and_insert_as_float32(cp):
+    """CuPy bfloat16 arrays (CuPy >= 14, ml_dtypes' dtype) into quantize_fp8, the indexer
+    key insert and the MLA insert give the bytes of the same values in float32 (the
+    NumPy reference of the bfloat16 arrays too): converted, never read as float32."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = ml_dtypes.bfloat16
+    try:
+        cp.empty(1, dtype=bf16)
+    except Exception as e:                       # noqa: BLE001 - any refusal means "no"
+        pytest.skip(f"CuPy {cp.__version__} has no bfloat16 arrays: {e}")
+    rng = np.random.default_rng(33)
+    x = (rng.standard_normal((9, 512)) * 3).astype(bf16)          # bf16 values
+    x32 = x.astype(np.float32)
+    want = cpsparse.quantize_fp8(x32, 128)
+    for got in (cpsparse.quantize_fp8(cp.asarray(x), 128), cpsparse.quantize_fp8(x, 128)):
+        for g, w in zip(got, want):
+            g = g.get() if hasattr(g, "get") else g
+            assert np.array_equal(g.view(np.uint8), w.view(np.uint8))
+    slots = rng.permutation(64)[:9].astype(np.int32)
+    slots[4] = -1
+    caches = []
+    for k in (cp.asarray(x[:, :128].copy()), cp.asarray(x32[:, :128].copy())):
+        cache = cpsparse.IndexerKCache.wrap(cp.zeros((2, 64 * 132), cp.uint8))
+        cache.insert(k, cp.asarray(slots))
+        caches.append(cache.data.get())
+    assert np.array_equal(*caches)
+    records = []
+    for kv in (cp.asarray(x), cp.asarray(x32)):
+        cache = cpsparse.MLAKVCache.wrap(cp.zeros((2, 32, 656), cp.uint8))
+        cache.insert(kv, cp.ascontiguousarray(kv[:, :64]), cp.asarray(slots))
+        records.append(cache.data.get())
+    assert np.array_equal(*records)

@@ -17,14 +17,15 @@ from cpsparse.raw_kernels import attention, indexer, quant, topk
 
 # (source, kernel name or the macro that declares a family of kernels, signature)
 DECLARED = [
-    ("attention.cu", "cps_sparse_mla_bf16", attention.ATTENTION_ARGS),
-    ("attention.cu", "cps_sparse_mla_fp8", attention.ATTENTION_ARGS),
+    *[("attention.cu", name + out, args) for out in ("", "_out16") for name, args in (
+        ("cps_sparse_mla_bf16", attention.ATTENTION_ARGS),
+        ("cps_sparse_mla_fp8", attention.ATTENTION_ARGS),
+        ("cps_mla_combine", attention.COMBINE_ARGS),
+        ("cps_mla_combine_few_rows", attention.COMBINE_ARGS),
+        ("cps_sparse_mla_model1", attention.MODEL1_ARGS))],
     ("attention.cu", "cps_f32_to_bf16", attention.TO_BF16_ARGS),
     ("attention.cu", "cps_f16_to_bf16", attention.TO_BF16_ARGS),
     ("attention.cu", "cps_local_to_global_slots", attention.SLOTS_ARGS),
-    ("attention.cu", "cps_mla_combine", attention.COMBINE_ARGS),
-    ("attention.cu", "cps_mla_combine_few_rows", attention.COMBINE_ARGS),
-    ("attention.cu", "cps_sparse_mla_model1", attention.MODEL1_ARGS),
     ("indexer.cu", "cps_mqa_logits_mma", indexer.MQA_ARGS),
     ("indexer.cu", "CPS_MQA_WS_KERNEL", indexer.MQA_ARGS),
     ("indexer.cu", "CPS_PAGED_KERNEL", indexer.PAGED_ARGS),
@@ -389,9 +390,12 @@ def test_attention_launch_arguments_on_both_paths(monkeypatch):
     """The fp8 attention launch of the checked path (sparse_mla_attention -> _launch) and
     the call memo's prepared one (call_launch) are the same prepared launch (prepare):
     the same kernel arguments in ATTENTION_ARGS order, then the split-KV combine's in
-    COMBINE_ARGS order (B=1, H=128: split). The prepared launch declines queries or a
-    cache off 16 bytes; call_launch declines what the checked path converts first (CPU:
-    the kernels, allocations and the device faked)."""
+    COMBINE_ARGS order (B=1, H=128: split). The formats of q and out travel as the
+    FORMATS codes (a float16 or bfloat16 q, a 16-bit out allocated in its dtype). The
+    prepared launch declines queries or a cache off 16 bytes; call_launch declines what
+    the checked path converts first (CPU: the kernels, allocations and the device
+    faked)."""
+    import ml_dtypes
     import numpy as np
     from cpsparse.raw_kernels import attention as katt
 
@@ -427,7 +431,8 @@ def test_attention_launch_arguments_on_both_paths(monkeypatch):
     data = Arr((40, 64, 656), np.uint8, 0x3000)
     rows = Arr((40 * 64, 656), np.uint8, 0x3000)
     out, lse = katt.sparse_mla_attention(CP, q, rows, idx, 0.1, 512, True)
-    dev, run = katt.call_launch(CP, q, data, rows, idx, 0.1, 512)
+    f32 = np.dtype(np.float32)
+    dev, run = katt.call_launch(CP, q, data, rows, idx, 0.1, 512, f32)
     got = run(q, data, idx)
     assert dev == 0 and [a.shape for a in got] == [(1, 128, 512), (1, 128)]
     assert out.shape == (1, 128, 512) and lse.shape == (1, 128)
@@ -445,20 +450,29 @@ def test_attention_launch_arguments_on_both_paths(monkeypatch):
     def want(call):                              # call 0: the checked path, 1: the memo's
         out, lse, part = (0x10000 + 0x100 * (3 * call + i) for i in range(3))
         return [("cps_sparse_mla_fp8", (units * splits,), (katt.DEC_THREADS,), katt.SMEM_BYTES,
-                 (0x1000, 0, 0x3000, 0x2000, 2048, 2560, None, None, out, lse, 128, 512,
+                 (0x1000, 0, 0, 0x3000, 0x2000, 2048, 2560, None, None, out, lse, 128, 512,
                   scale_log2, splits, part, None)),
                 ("cps_mla_combine_few_rows", (128,), (katt.COMBINE_THREADS,), 0,
-                 (part, out, lse, None, splits, 512, 128))]
+                 (part, out, lse, None, splits, 512, 128, 0))]
     assert [plain(x) for x in launches] == want(0) + want(1)
     assert run(Arr(q.shape, np.float32, 0x1004), data, idx) is None
     assert run(q, Arr(data.shape, np.uint8, 0x3008), idx) is None
     assert len(launches) == 4
-    f16 = Arr(q.shape, np.float16)
-    katt.call_launch(CP, f16, data, rows, idx, 0.1, 512)[1](f16, data, idx)
-    assert plain(launches[-2])[4][1] == 1                  # q_half
+    for dtype, code in [(np.float16, 1), (ml_dtypes.bfloat16, 2)]:
+        q16 = Arr(q.shape, np.dtype(dtype))
+        katt.call_launch(CP, q16, data, rows, idx, 0.1, 512, f32)[1](q16, data, idx)
+        assert plain(launches[-2])[4][1:3] == (code, 0)       # q_fmt, out_fmt
+    for dtype, code in [(np.float16, 1), (ml_dtypes.bfloat16, 2)]:
+        out16, _ = katt.call_launch(CP, q, data, rows, idx, 0.1, 512,
+                                    np.dtype(dtype))[1](q, data, idx)
+        assert out16.dtype == np.dtype(dtype)
+        assert launches[-2][0] == "cps_sparse_mla_fp8_out16"   # the 16-bit out's kernels
+        assert launches[-1][0] == "cps_mla_combine_few_rows_out16"
+        assert plain(launches[-2])[4][1:3] == (0, code)       # the kernel's, and the
+        assert plain(launches[-1])[4][-1] == code             # combine's out_fmt
     for q_, data_, rows_, idx_ in [(Arr(q.shape, np.float64), data, rows, idx),
                                    (q, data, rows, Arr(idx.shape, np.int64)),
                                    (q, data, Arr(rows.shape, np.uint8, 0x5000), idx),
                                    (q, data, Arr((40 * 64, 584), np.uint8, 0x3000), idx),
                                    (q, data, Arr((0, 656), np.uint8, 0x3000), idx)]:
-        assert katt.call_launch(CP, q_, data_, rows_, idx_, 0.1, 512) is None
+        assert katt.call_launch(CP, q_, data_, rows_, idx_, 0.1, 512, f32) is None

@@ -55,8 +55,10 @@ def test_license_is_apache_2_and_declared():
 
 def test_runtime_dependencies_are_what_the_package_imports():
     required = {_name(r) for r in _requirements(CFG["options"]["install_requires"])}
-    # the cuda12/13 and plots extras; torch: an optional peer of cpsparse.timing
-    optional = {"cupy", "cupy_backends", "matplotlib", "torch"}
+    # the cuda12/13 and plots extras; torch: an optional peer of cpsparse.timing;
+    # ml_dtypes: imported only when a caller names out_dtype="bfloat16"
+    # (cpsparse._validation.check_out_dtype, which says so when it is missing)
+    optional = {"cupy", "cupy_backends", "matplotlib", "ml_dtypes", "torch"}
     imported = _top_level_imports()
     assert imported - optional == required, (imported, required)
     assert "scipy" not in required and "ml_dtypes" not in required

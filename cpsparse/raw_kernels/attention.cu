@@ -91,6 +91,15 @@ __device__ __forceinline__ u32 att_pack_bf16(float lo, float hi) {
     return r;
 }
 
+// Two floats -> the packed 16-bit pair of an output of format fmt (ATT_FMT_BF16 or
+// ATT_FMT_F16; lo in the low half), round to nearest even.
+__device__ __forceinline__ u32 att_pack_out16(float lo, float hi, int fmt) {
+    if (fmt == ATT_FMT_BF16) return att_pack_bf16(lo, hi);
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 // Packed f16x2 -> bf16x2 (through float, exact then rounded once).
 __device__ __forceinline__ u32 att_f16x2_to_bf16x2(u32 h) {
     float lo, hi;
@@ -532,7 +541,7 @@ __device__ __forceinline__ AttShare att_share(const int* __restrict__ indices, i
 // an asm with a memory clobber, which no global load may pass, so loads interleaved
 // with stores would wait for each other one round trip at a time.
 template <int D>
-__device__ __forceinline__ void att_load_q(const void* __restrict__ q, int q_half,
+__device__ __forceinline__ void att_load_q(const void* __restrict__ q, int q_fmt,
                                            const AttShare& w, int H, u32 sq, int tid) {
     constexpr int CHUNKS = D / 8;                  // 16-byte bf16 chunks of a row
     constexpr int ITERS = 64 * CHUNKS / ATT_MATH_THREADS;
@@ -540,7 +549,7 @@ __device__ __forceinline__ void att_load_q(const void* __restrict__ q, int q_hal
     static_assert(64 * CHUNKS % ATT_MATH_THREADS == 0 && ITERS % 2 == 0, "Q chunks per thread");
 #pragma unroll
     for (int g0 = 0; g0 < ITERS; g0 += GROUP) {
-        uint4 lo[GROUP], hi[GROUP];                // fp16: lo; fp32: lo, hi (8 floats)
+        uint4 lo[GROUP], hi[GROUP];                // 16-bit: lo; fp32: lo, hi (8 floats)
 #pragma unroll
         for (int k = 0; k < GROUP; ++k) {
             const int i = tid + (g0 + k) * ATT_MATH_THREADS;
@@ -548,7 +557,7 @@ __device__ __forceinline__ void att_load_q(const void* __restrict__ q, int q_hal
             lo[k] = hi[k] = make_uint4(0u, 0u, 0u, 0u);
             if (r < w.nh) {
                 const size_t off = ((size_t)w.tok * H + w.h0 + r) * D + (size_t)c * 8;
-                if (q_half) {
+                if (q_fmt != ATT_FMT_F32) {
                     lo[k] = __ldg(reinterpret_cast<const uint4*>(
                         reinterpret_cast<const u16*>(q) + off));
                 } else {
@@ -563,7 +572,8 @@ __device__ __forceinline__ void att_load_q(const void* __restrict__ q, int q_hal
         for (int k = 0; k < GROUP; ++k) {
             const int i = tid + (g0 + k) * ATT_MATH_THREADS;
             const int r = i / CHUNKS, c = i - r * CHUNKS;
-            const uint4 v = q_half
+            const uint4 v = q_fmt == ATT_FMT_BF16 ? lo[k]          // already the MMA's form
+                : q_fmt == ATT_FMT_F16
                 ? make_uint4(att_f16x2_to_bf16x2(lo[k].x), att_f16x2_to_bf16x2(lo[k].y),
                              att_f16x2_to_bf16x2(lo[k].z), att_f16x2_to_bf16x2(lo[k].w))
                 : make_uint4(att_pack_bf16(__uint_as_float(lo[k].x), __uint_as_float(lo[k].y)),
@@ -668,7 +678,9 @@ __device__ __forceinline__ void att_softmax_pv(float (&s)[16], AttRows& st, u32 
 // cps_mla_combine. L == 0: no valid key (out 0, lse -inf); a NaN score makes L NaN,
 // and NaN flows into out and lse (never the "no valid key" marker). With an attention
 // sink [H] (or nullptr; splits == 1 here, else cps_mla_combine applies it) out is
-// scaled by att_sink_factor; lse is not.
+// scaled by att_sink_factor; lse is not. out is float32, bf16 or f16 (out_fmt, one of
+// the ATT_FMT_* Python defines), rounded once from the float32 row; the partials and
+// lse are float32.
 __device__ __forceinline__ float att_sink_factor(const float* __restrict__ sink, int h,
                                                  float row_lse) {
     // exp(lse) / (exp(lse) + exp(sink)): +inf sink -> 0, -inf -> 1. An empty row (lse
@@ -677,10 +689,51 @@ __device__ __forceinline__ float att_sink_factor(const float* __restrict__ sink,
     return 1.f / (1.f + expf(__ldg(sink + h) - row_lse));
 }
 
+// A 16-bit row (splits == 1, out_fmt bf16 or f16) from a thread's fragment: its
+// column pairs (8 n + 2 t4, + 1) of each 8-column block n, scaled by inv. The four
+// threads of a quad regroup the pairs of blocks 2m and 2m + 1 by two shuffles, so each
+// stores 4 adjacent values (8 bytes; a quad's store covers one 32-byte sector of the
+// row, as the float32 rows' float2 stores do): thread t4 gets the pairs of threads
+// 2 (t4 & 1) and 2 (t4 & 1) + 1 of block 2m + (t4 >> 1). (4-byte stores of single pairs
+// would issue as many store instructions as float32 rows, for half the bytes.) Rows of
+// d_v % 4 == 2 are not 8-byte aligned: one pair a store there.
+template <int FRAG>
+__device__ __forceinline__ void att_store_row16(const float (&o)[128], u16* __restrict__ row,
+                                                float inv, int fmt, int col0, int d_v,
+                                                bool mine, int t4) {
+    const int lane = threadIdx.x & 31;
+    const int src1 = (lane & ~3) | ((0x3021 >> (4 * t4)) & 3);   // t4 0..3 <- 1, 2, 0, 3
+    const int src2 = (lane & ~3) | ((0x2130 >> (4 * t4)) & 3);   // t4 0..3 <- 0, 3, 1, 2
+    if ((d_v & 3) == 0) {
+#pragma unroll
+        for (int m = 0; m < 16; ++m) {
+            const u32 a = att_pack_out16(o[8 * m + FRAG] * inv, o[8 * m + FRAG + 1] * inv, fmt);
+            const u32 b = att_pack_out16(o[8 * m + 4 + FRAG] * inv, o[8 * m + 5 + FRAG] * inv,
+                                         fmt);
+            const u32 s1 = __shfl_sync(0xffffffffu, t4 == 0 ? b : a, src1);
+            const u32 s2 = __shfl_sync(0xffffffffu, t4 == 3 ? a : b, src2);
+            const int c = col0 + 16 * m + 4 * t4;
+            if (mine && c < d_v)
+                *reinterpret_cast<uint2*>(row + c) =
+                    t4 == 0 ? make_uint2(a, s1) : t4 == 3 ? make_uint2(s2, b) : make_uint2(s1, s2);
+        }
+    } else {
+#pragma unroll
+        for (int n = 0; n < 32; ++n) {
+            const int c = col0 + 8 * n + 2 * t4;
+            if (mine && c < d_v)
+                *reinterpret_cast<u32*>(row + c) =
+                    att_pack_out16(o[4 * n + FRAG] * inv, o[4 * n + FRAG + 1] * inv, fmt);
+        }
+    }
+}
+
+template <bool OUT16>
 __device__ __forceinline__ void att_write_rows(AttRows& st, const AttShare& w, u32 s_l,
-                                               float* __restrict__ out, float* __restrict__ lse,
-                                               float* __restrict__ part_out, int H, int d_v,
-                                               int splits, int wg, int r0, int r1, int t4,
+                                               void* __restrict__ out, float* __restrict__ lse,
+                                               float* __restrict__ part_out, int out_fmt,
+                                               int H, int d_v, int splits, int wg, int r0,
+                                               int r1, int t4,
                                                const float* __restrict__ sink = nullptr) {
     float l0 = st.l0, l1 = st.l1;
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -704,20 +757,28 @@ __device__ __forceinline__ void att_write_rows(AttRows& st, const AttShare& w, u
     }
     const int groups = (H + 63) >> 6;
     const size_t part_rows = (size_t)(gridDim.x / splits / groups) * H * splits;
-    float* const dst = splits == 1 ? out : part_out;
     float* const dst_lse = splits == 1 ? lse : part_out + part_rows * d_v;
-    float* out0 = dst + (((size_t)w.tok * H + w.h0 + r0) * splits + w.split) * d_v;
-    float* out1 = dst + (((size_t)w.tok * H + w.h0 + r1) * splits + w.split) * d_v;
+    if (OUT16 && splits == 1) {          // (the split partials stay float32 for the merge)
+        u16* const out16 = reinterpret_cast<u16*>(out);
+        att_store_row16<0>(st.o, out16 + ((size_t)w.tok * H + w.h0 + r0) * d_v, inv0,
+                           out_fmt, wg * 256, d_v, r0 < w.nh, t4);
+        att_store_row16<2>(st.o, out16 + ((size_t)w.tok * H + w.h0 + r1) * d_v, inv1,
+                           out_fmt, wg * 256, d_v, r1 < w.nh, t4);
+    } else {
+        float* const dst = splits == 1 ? reinterpret_cast<float*>(out) : part_out;
+        float* out0 = dst + (((size_t)w.tok * H + w.h0 + r0) * splits + w.split) * d_v;
+        float* out1 = dst + (((size_t)w.tok * H + w.h0 + r1) * splits + w.split) * d_v;
 #pragma unroll
-    for (int n = 0; n < 32; ++n) {
-        const int c = wg * 256 + 8 * n + 2 * t4;
-        if (c < d_v) {
-            if (r0 < w.nh)
-                *reinterpret_cast<float2*>(out0 + c) = make_float2(st.o[4 * n] * inv0,
-                                                                   st.o[4 * n + 1] * inv0);
-            if (r1 < w.nh)
-                *reinterpret_cast<float2*>(out1 + c) = make_float2(st.o[4 * n + 2] * inv1,
-                                                                   st.o[4 * n + 3] * inv1);
+        for (int n = 0; n < 32; ++n) {
+            const int c = wg * 256 + 8 * n + 2 * t4;
+            if (c < d_v) {
+                if (r0 < w.nh)
+                    *reinterpret_cast<float2*>(out0 + c) = make_float2(st.o[4 * n] * inv0,
+                                                                       st.o[4 * n + 1] * inv0);
+                if (r1 < w.nh)
+                    *reinterpret_cast<float2*>(out1 + c) = make_float2(st.o[4 * n + 2] * inv1,
+                                                                       st.o[4 * n + 3] * inv1);
+            }
         }
     }
     if (wg == 0 && t4 == 0) {
@@ -737,18 +798,18 @@ __device__ __forceinline__ void att_rows_init(AttRows& st) {
 }
 
 #define ATT_PARAMS                                                                          \
-    const void* __restrict__ q, int q_half, const u8* __restrict__ kv,                      \
+    const void* __restrict__ q, int q_fmt, int out_fmt, const u8* __restrict__ kv,          \
         const int* __restrict__ indices, int topk, int num_slots,                           \
         const int* __restrict__ row_start, const int* __restrict__ row_len,                 \
-        float* __restrict__ out, float* __restrict__ lse, int H, int d_v, float scale_log2, \
+        void* __restrict__ out, float* __restrict__ lse, int H, int d_v, float scale_log2,  \
         int splits, float* __restrict__ part_out, const float* __restrict__ sink
 
 // What every math thread of the warp-specialized kernels does first: its share of Q to
 // shared memory, visible to wgmma and to the other math warpgroup.
 template <int D>
-__device__ __forceinline__ void att_math_start(const void* __restrict__ q, int q_half,
+__device__ __forceinline__ void att_math_start(const void* __restrict__ q, int q_fmt,
                                                const AttShare& w, int H, u32 sq, int tid) {
-    att_load_q<D>(q, q_half, w, H, sq, tid);
+    att_load_q<D>(q, q_fmt, w, H, sq, tid);
     cps_fence_proxy_async();
     att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);
 }
@@ -756,10 +817,10 @@ __device__ __forceinline__ void att_math_start(const void* __restrict__ q, int q
 // The math warpgroups of the MODEL1 kernel (threads 0..255): Q (D wide) to shared
 // memory, then for each tile the producer filled: QK^T over D / 16 k-steps, softmax, PV;
 // then the rows (scaled by the sink, if any).
-template <int D>
-__device__ __forceinline__ void att_consume(const void* __restrict__ q, int q_half,
+template <int D, bool OUT16>
+__device__ __forceinline__ void att_consume(const void* __restrict__ q, int q_fmt, int out_fmt,
                                             const AttShare& w, int H, u32 base,
-                                            float scale_log2, float* __restrict__ out,
+                                            float scale_log2, void* __restrict__ out,
                                             float* __restrict__ lse,
                                             float* __restrict__ part_out, int d_v, int splits,
                                             const float* __restrict__ sink, int tid) {
@@ -770,7 +831,7 @@ __device__ __forceinline__ void att_consume(const void* __restrict__ q, int q_ha
     const int wg = warp >> 2, wi = warp & 3;
     const int g = lane >> 2, t4 = lane & 3;
     const int r0 = wi * 16 + g, r1 = r0 + 8;
-    att_math_start<D>(q, q_half, w, H, sq, tid);
+    att_math_start<D>(q, q_fmt, w, H, sq, tid);
     AttRows st;
     att_rows_init(st);
     for (int it = w.t_first; it < w.t_end; ++it) {
@@ -794,7 +855,8 @@ __device__ __forceinline__ void att_consume(const void* __restrict__ q, int q_ha
         }
         if (it + 2 < w.t_end) att_bar_arrive(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);
     }
-    att_write_rows(st, w, s_max, out, lse, part_out, H, d_v, splits, wg, r0, r1, t4, sink);
+    att_write_rows<OUT16>(st, w, s_max, out, lse, part_out, out_fmt, H, d_v, splits, wg, r0, r1,
+                          t4, sink);
 }
 
 
@@ -1140,10 +1202,10 @@ static_assert(128 * (2 * ATT_DEC_PRODUCER_REGS + ATT_DEC_WG0_REGS + ATT_DEC_WG1_
 // 1: O's columns 256..511, rescaled as warpgroup 0 rescales its own (the same exp2 of the
 // same two maxima), P from shared memory; its row sums stay 0 (warpgroup 0 holds them
 // all; att_write_rows adds the two).
-template <int WG, int D>
-__device__ __forceinline__ void att_dec_math(const void* __restrict__ q, int q_half,
+template <int WG, int D, bool OUT16>
+__device__ __forceinline__ void att_dec_math(const void* __restrict__ q, int q_fmt, int out_fmt,
                                              const AttShare& w, int H, u32 base,
-                                             float scale_log2, float* __restrict__ out,
+                                             float scale_log2, void* __restrict__ out,
                                              float* __restrict__ lse,
                                              float* __restrict__ part_out, int d_v, int splits,
                                              const float* __restrict__ sink, int tid) {
@@ -1152,7 +1214,7 @@ __device__ __forceinline__ void att_dec_math(const void* __restrict__ q, int q_h
     const int g = lane >> 2, t4 = lane & 3;
     const int r0 = wi * 16 + g, r1 = r0 + 8;
     AttRows st;
-    att_math_start<D>(q, q_half, w, H, sq, tid);
+    att_math_start<D>(q, q_fmt, w, H, sq, tid);
     att_rows_init(st);
     st.m0 = st.m1 = ATT_PP_MAX_INIT;
     for (int it = w.t_first; it < w.t_end; ++it) {
@@ -1191,13 +1253,20 @@ __device__ __forceinline__ void att_dec_math(const void* __restrict__ q, int q_h
             if (it + 1 < w.t_end) att_bar_arrive(ATT_BAR_P_FREE, ATT_MATH_THREADS);
         }
     }
-    att_write_rows(st, w, base + ATT_OFF_L, out, lse, part_out, H, d_v, splits, WG, r0, r1,
-                   t4, sink);
+    att_write_rows<OUT16>(st, w, base + ATT_OFF_L, out, lse, part_out, out_fmt, H, d_v, splits,
+                          WG, r0, r1, t4, sink);
 }
 
+// The kernels' bodies are templates of OUT16: the _out16 kernels write a 16-bit out
+// (out_fmt bf16 or f16), the others float32 rows (out_fmt ignored), each with its own
+// epilogue only.
+#define ATT_ARGS                                                                           \
+    q, q_fmt, out_fmt, kv, indices, topk, num_slots, row_start, row_len, out, lse, H, d_v,  \
+        scale_log2, splits, part_out, sink
+
 // The fp8_ds_mla cache: warp-specialized (see "warp specialization" above).
-extern "C" __global__ void __launch_bounds__(ATT_DEC_THREADS, 1) cps_sparse_mla_fp8(ATT_PARAMS) {
-    CPS_PDL_WAIT();
+template <bool OUT16>
+__device__ __forceinline__ void att_fp8_kernel(ATT_PARAMS) {
     extern __shared__ __align__(1024) u8 att_smem_raw[];
     const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
@@ -1210,20 +1279,31 @@ extern "C" __global__ void __launch_bounds__(ATT_DEC_THREADS, 1) cps_sparse_mla_
     }
     if (tid < 128) {
         cps_setmaxnreg_inc<ATT_DEC_WG0_REGS>();
-        att_dec_math<0, ATT_D>(q, q_half, w, H, base, scale_log2, out, lse, part_out, d_v,
-                               splits, sink, tid);
+        att_dec_math<0, ATT_D, OUT16>(q, q_fmt, out_fmt, w, H, base, scale_log2, out, lse,
+                                      part_out, d_v, splits, sink, tid);
     } else {
         cps_setmaxnreg_inc<ATT_DEC_WG1_REGS>();
-        att_dec_math<1, ATT_D>(q, q_half, w, H, base, scale_log2, out, lse, part_out, d_v,
-                               splits, sink, tid);
+        att_dec_math<1, ATT_D, OUT16>(q, q_fmt, out_fmt, w, H, base, scale_log2, out, lse,
+                                      part_out, d_v, splits, sink, tid);
     }
 }
 
+extern "C" __global__ void __launch_bounds__(ATT_DEC_THREADS, 1) cps_sparse_mla_fp8(ATT_PARAMS) {
+    CPS_PDL_WAIT();
+    att_fp8_kernel<false>(ATT_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_DEC_THREADS, 1)
+cps_sparse_mla_fp8_out16(ATT_PARAMS) {
+    CPS_PDL_WAIT();
+    att_fp8_kernel<true>(ATT_ARGS);
+}
+
 // The math warpgroups of the ping-pong kernel (threads 0..255).
-template <int D>
-__device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q_half,
+template <int D, bool OUT16>
+__device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q_fmt, int out_fmt,
                                                const AttShare& w, int H, u32 base,
-                                               float scale_log2, float* __restrict__ out,
+                                               float scale_log2, void* __restrict__ out,
                                                float* __restrict__ lse,
                                                float* __restrict__ part_out, int d_v,
                                                int splits, const float* __restrict__ sink,
@@ -1238,7 +1318,7 @@ __device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q
     const u32 k0 = base + ATT_OFF_K, k1 = k0 + ATT_TILE;
     const u32 sS0 = base + ATT_PP_OFF_S0, sS1 = base + ATT_PP_OFF_S1;
     const u32 mbar = base + ATT_PP_OFF_MBAR, masks = base + ATT_PP_OFF_MASKS;
-    att_math_start<D>(q, q_half, w, H, sq, tid);
+    att_math_start<D>(q, q_fmt, w, H, sq, tid);
     AttRows st;
     att_rows_init(st);
     st.m0 = ATT_PP_MAX_INIT;
@@ -1377,13 +1457,13 @@ __device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q
             if (more) att_bar_arrive(ATT_PP_BAR_EMPTY + 1, 256);
         }
     }
-    att_write_rows(st, w, base + ATT_OFF_L, out, lse, part_out, H, d_v, splits, wg, r0, r1, t4,
-                   sink);
+    att_write_rows<OUT16>(st, w, base + ATT_OFF_L, out, lse, part_out, out_fmt, H, d_v, splits,
+                          wg, r0, r1, t4, sink);
 }
 
 // Dense bf16 rows (the workspace of the dense and sparse routes), ping-pong schedule.
-extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_bf16(ATT_PARAMS) {
-    CPS_PDL_WAIT();
+template <bool OUT16>
+__device__ __forceinline__ void att_bf16_kernel(ATT_PARAMS) {
     extern __shared__ __align__(1024) u8 att_smem_raw[];
     const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
@@ -1400,8 +1480,19 @@ extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_b
         att_produce_bf16(kv, w, num_slots, base, tid - ATT_MATH_THREADS);
         return;
     }
-    att_consume_pp<ATT_D>(q, q_half, w, H, base, scale_log2, out, lse, part_out, d_v, splits,
-                          sink, tid);
+    att_consume_pp<ATT_D, OUT16>(q, q_fmt, out_fmt, w, H, base, scale_log2, out, lse, part_out,
+                                 d_v, splits, sink, tid);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_bf16(ATT_PARAMS) {
+    CPS_PDL_WAIT();
+    att_bf16_kernel<false>(ATT_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1)
+cps_sparse_mla_bf16_out16(ATT_PARAMS) {
+    CPS_PDL_WAIT();
+    att_bf16_kernel<true>(ATT_ARGS);
 }
 
 
@@ -1593,18 +1684,22 @@ __device__ __forceinline__ void att_produce_m1(const AttM1Cache& ca, const AttM1
 // list lengths, the extra cache in the same softmax, the attention sink. Same three
 // warpgroups as cps_sparse_mla_fp8; the split-KV share is over the token's combined
 // tiles (computed here from its lengths: the launch shape stays a function of shapes).
-extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1)
-cps_sparse_mla_model1(const void* __restrict__ q, int q_half,
-                      const u8* __restrict__ kv, const int* __restrict__ indices,
-                      const int* __restrict__ lengths, int topk, int block_size,
-                      long long page_stride, int num_slots,
-                      const u8* __restrict__ ekv, const int* __restrict__ eindices,
-                      const int* __restrict__ elengths, int etopk, int eblock_size,
-                      long long epage_stride, int enum_slots,
-                      const float* __restrict__ sink, float* __restrict__ out,
-                      float* __restrict__ lse, int H, int d_v, float scale_log2, int splits,
-                      float* __restrict__ part_out) {
-    CPS_PDL_WAIT();
+#define ATT_M1_PARAMS                                                                       \
+    const void* __restrict__ q, int q_fmt, int out_fmt, const u8* __restrict__ kv,          \
+        const int* __restrict__ indices, const int* __restrict__ lengths, int topk,         \
+        int block_size, long long page_stride, int num_slots, const u8* __restrict__ ekv,   \
+        const int* __restrict__ eindices, const int* __restrict__ elengths, int etopk,      \
+        int eblock_size, long long epage_stride, int enum_slots,                            \
+        const float* __restrict__ sink, void* __restrict__ out, float* __restrict__ lse,    \
+        int H, int d_v, float scale_log2, int splits, float* __restrict__ part_out
+
+#define ATT_M1_ARGS                                                                         \
+    q, q_fmt, out_fmt, kv, indices, lengths, topk, block_size, page_stride, num_slots, ekv, \
+        eindices, elengths, etopk, eblock_size, epage_stride, enum_slots, sink, out, lse, H, \
+        d_v, scale_log2, splits, part_out
+
+template <bool OUT16>
+__device__ __forceinline__ void att_model1_kernel(ATT_M1_PARAMS) {
     extern __shared__ __align__(1024) u8 att_smem_raw[];
     const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
@@ -1629,8 +1724,20 @@ cps_sparse_mla_model1(const void* __restrict__ q, int q_half,
         att_produce_m1(ca, cb, m, w.t_first, w.t_end, base, tid - ATT_MATH_THREADS);
         return;
     }
-    att_consume<ATT_M1_D>(q, q_half, w, H, base, scale_log2, out, lse, part_out, d_v,
-                          splits, sink, tid);
+    att_consume<ATT_M1_D, OUT16>(q, q_fmt, out_fmt, w, H, base, scale_log2, out, lse, part_out,
+                                 d_v, splits, sink, tid);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1)
+cps_sparse_mla_model1(ATT_M1_PARAMS) {
+    CPS_PDL_WAIT();
+    att_model1_kernel<false>(ATT_M1_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1)
+cps_sparse_mla_model1_out16(ATT_M1_PARAMS) {
+    CPS_PDL_WAIT();
+    att_model1_kernel<true>(ATT_M1_ARGS);
 }
 
 
@@ -1651,12 +1758,12 @@ cps_sparse_mla_model1(const void* __restrict__ q, int q_half,
 //   cps_mla_combine (CHUNK 8, at most 64 registers): many rows (B=8, H=128: 1024 rows
 //     of 8 splits): 8 CTAs an SM, the whole batch in one wave.
 #define ATT_COMBINE_PARAMS                                                                  \
-    const float* __restrict__ part_out, float* __restrict__ out, float* __restrict__ lse,   \
-        const float* __restrict__ sink, int splits, int d_v, int H
+    const float* __restrict__ part_out, void* __restrict__ out, float* __restrict__ lse,    \
+        const float* __restrict__ sink, int splits, int d_v, int H, int out_fmt
 
 static_assert(2 * ATT_COMBINE_THREADS * 2 >= ATT_DV, "two float2 value columns a thread");
 static_assert(ATT_MAX_SPLITS <= 64, "two splits' weights a lane");
-template <int CHUNK>
+template <int CHUNK, bool OUT16>
 __device__ __forceinline__ void att_combine_row(ATT_COMBINE_PARAMS) {
     const size_t row = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, ncol = d_v >> 1;  // float2 columns
@@ -1709,22 +1816,41 @@ __device__ __forceinline__ void att_combine_row(ATT_COMBINE_PARAMS) {
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
         const int c = tid + k * ATT_COMBINE_THREADS;
-        if (c < ncol)
-            reinterpret_cast<float2*>(out + row * d_v)[c] = nan ? make_float2(qnan, qnan) : acc[k];
+        if (c < ncol) {
+            const float2 o = nan ? make_float2(qnan, qnan) : acc[k];
+            if constexpr (OUT16)
+                reinterpret_cast<u32*>(out)[row * ncol + c] = att_pack_out16(o.x, o.y, out_fmt);
+            else
+                reinterpret_cast<float2*>(out)[row * ncol + c] = o;
+        }
     }
     if (tid == 0) lse[row] = nan ? qnan : merged;
 }
 
+#define ATT_COMBINE_ARGS part_out, out, lse, sink, splits, d_v, H, out_fmt
+// (_out16: a 16-bit out of format out_fmt; the others float32, out_fmt ignored)
 extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS)
 cps_mla_combine_few_rows(ATT_COMBINE_PARAMS) {
     CPS_PDL_WAIT();
-    att_combine_row<16>(part_out, out, lse, sink, splits, d_v, H);
+    att_combine_row<16, false>(ATT_COMBINE_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS)
+cps_mla_combine_few_rows_out16(ATT_COMBINE_PARAMS) {
+    CPS_PDL_WAIT();
+    att_combine_row<16, true>(ATT_COMBINE_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS, 8)
 cps_mla_combine(ATT_COMBINE_PARAMS) {
     CPS_PDL_WAIT();
-    att_combine_row<8>(part_out, out, lse, sink, splits, d_v, H);
+    att_combine_row<8, false>(ATT_COMBINE_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS, 8)
+cps_mla_combine_out16(ATT_COMBINE_PARAMS) {
+    CPS_PDL_WAIT();
+    att_combine_row<8, true>(ATT_COMBINE_ARGS);
 }
 
 // Dense workspace -> bf16 bit patterns (round to nearest even).

@@ -21,11 +21,14 @@ runs 32 CTAs instead of 2 (126 us -> 25 us on the H200, ``benchmarks/bench_split
 
 Precision: queries and keys enter the tensor cores as bf16 (round to nearest
 even), products accumulate in fp32, probabilities are rounded to bf16 for P V.
-CuPy has no bfloat16 dtype: q may be float16/float32 (float64 is cast to
-float32 first); a dense workspace (float16/float32/float64) is rounded to bf16
-once, in a pre-pass over the rows (``to_bf16``); the fp8_ds_mla cache is
-dequantized tile by tile inside the kernel (code * scale rounded to bf16, RoPE
-bf16 as stored).
+q may be bfloat16 (CuPy >= 14, ml_dtypes' dtype: read as is), float16 or float32
+(rounded to bf16 as the kernel loads it; float64 is cast to float32 first); a
+dense workspace is used as is when bfloat16, else rounded to bf16 once, in a
+pre-pass over the rows (``to_bf16``); the fp8_ds_mla cache is dequantized tile by
+tile inside the kernel (code * scale rounded to bf16, RoPE bf16 as stored). out
+is written float32, bfloat16 or float16 (``out_dtype``: rounded once from the
+float32 row, in the epilogue of the kernel's ``_out16`` twin or the split-KV merge's);
+lse is float32.
 """
 
 import math
@@ -70,6 +73,9 @@ MIN_TILES_PER_SPLIT = 2
 # time goes").
 COMBINE_THREADS = 128           # ATT_COMBINE_THREADS
 COMBINE_FEW_ROWS_PER_SM = 4
+# The formats of q and out the kernels take (ATT_FMT_*): the kernel's int q_fmt /
+# out_fmt arguments.
+FORMATS = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 raw_kernels.register_module(
     "attention", ["common.cuh", "hopper.cuh", "attention.cu"], capabilities=raw_kernels.exactly((9, 0)),
@@ -77,21 +83,23 @@ raw_kernels.register_module(
     needs="Hopper wgmma, compiled for sm_90a", pdl=True,
     defines=dict(ATT_WS_THREADS=WS_THREADS, ATT_DEC_THREADS=DEC_THREADS, ATT_SMEM_BYTES=SMEM_BYTES,
                  ATT_MAX_SPLITS=MAX_SPLITS, ATT_COMBINE_THREADS=COMBINE_THREADS,
-                 ATT_REC_BYTES=RECORD_BYTES,
+                 ATT_REC_BYTES=RECORD_BYTES, ATT_FMT_F32=FORMATS["float32"],
+                 ATT_FMT_F16=FORMATS["float16"], ATT_FMT_BF16=FORMATS["bfloat16"],
                  # the MODEL1 page layout (cpsparse.reference.cache owns it)
                  ATT_M1_NOPE=cache_layout.MODEL1_NOPE, ATT_M1_ROW=cache_layout.MODEL1_ROW,
                  ATT_M1_SCALE_BYTES=cache_layout.MODEL1_SCALES + 1))
 
 # C parameter lists (raw_kernels.Kernel letters).
-# cps_sparse_mla_*: q, q_half, kv, indices, topk, num_slots, row_start, row_len (the
-# causal range's length, or with indices the per-token list length), out, lse, H, d_v,
-# scale_log2, splits, part_out (the partial rows, then the partial lse), sink
-ATTENTION_ARGS = "P i P P ii PPPP ii f i PP"
-COMBINE_ARGS = "PPPP iii"       # cps_mla_combine: part_out, out, lse, sink, splits, d_v, H
-# cps_sparse_mla_model1: q, q_half, then per cache (main, extra) data, indices, lengths,
-# topk, block_size, page_stride, num_slots; then sink, out, lse, H, d_v, scale_log2,
-# splits, part_out
-MODEL1_ARGS = "P i PPP ii q i PPP ii q i PPP ii f i P"
+# cps_sparse_mla_*: q, q_fmt, out_fmt, kv, indices, topk, num_slots, row_start, row_len
+# (the causal range's length, or with indices the per-token list length), out, lse, H,
+# d_v, scale_log2, splits, part_out (the partial rows, then the partial lse), sink
+ATTENTION_ARGS = "P ii P P ii PPPP ii f i PP"
+# cps_mla_combine: part_out, out, lse, sink, splits, d_v, H, out_fmt
+COMBINE_ARGS = "PPPP iiii"
+# cps_sparse_mla_model1: q, q_fmt, out_fmt, then per cache (main, extra) data, indices,
+# lengths, topk, block_size, page_stride, num_slots; then sink, out, lse, H, d_v,
+# scale_log2, splits, part_out
+MODEL1_ARGS = "P ii PPP ii q i PPP ii q i PPP ii f i P"
 MODEL1_D_QK = 512
 TO_BF16_ARGS = "PP q"                            # x, y, n
 # cps_local_to_global_slots: indices, req_ids, block_table, num_reqs, max_blocks, topk,
@@ -99,9 +107,10 @@ TO_BF16_ARGS = "PP q"                            # x, y, n
 SLOTS_ARGS = "PPP iii q i P"
 
 
-def _attention_kernel(fp8):
-    name = f"cps_sparse_mla_{'fp8' if fp8 else 'bf16'}"
-    return raw_kernels.kernel("attention", name, ATTENTION_ARGS, SMEM_BYTES)
+def _kernel_name(base, out16):
+    """A kernel's name by the width of its out: ``base`` writes float32 rows,
+    ``base + "_out16"`` a 16-bit out (bf16 or f16: the out_fmt argument)."""
+    return base + "_out16" if out16 else base
 
 
 def supports(q_shape, d_v):
@@ -116,13 +125,17 @@ def _aligned(cp, a):
 
 
 def _q_operand(cp, q):
+    """(q as the kernel reads it: 16-byte aligned, float64 cast to float32; its format)."""
     if q.dtype == cp.float64:
         q = q.astype(cp.float32)
-    return _aligned(cp, q), int(q.dtype == cp.float16)
+    return _aligned(cp, q), FORMATS[q.dtype.name]
 
 
 def to_bf16(cp, x):
-    """bf16 bit patterns (uint16, same shape) of a float16/32/64 array."""
+    """bf16 bit patterns (uint16, same shape) of a float16/32/64 or bfloat16 array (a
+    contiguous bfloat16 array is only viewed)."""
+    if x.dtype.name == "bfloat16":
+        return cp.ascontiguousarray(x).view(cp.uint16)
     if x.dtype == cp.float64:
         x = x.astype(cp.float32)
     x = cp.ascontiguousarray(x)
@@ -149,7 +162,7 @@ def choose_splits(units, tiles, sms):
 
 def combine_kernel_name(rows, sms):
     """The split-KV merge kernel for ``rows`` (token, head) rows on ``sms`` SMs (see
-    COMBINE_FEW_ROWS_PER_SM)."""
+    COMBINE_FEW_ROWS_PER_SM; a 16-bit out takes its ``_out16`` twin)."""
     return "cps_mla_combine_few_rows" if rows <= COMBINE_FEW_ROWS_PER_SM * sms \
         else "cps_mla_combine"
 
@@ -157,12 +170,13 @@ def combine_kernel_name(rows, sms):
 _PLANS: dict[Any, Any] = {}
 
 
-def _plan(tokens, heads, topk, kind, dense, sm_scale, splits):
+def _plan(tokens, heads, topk, kind, dense, sm_scale, splits, out16=False):
     """(units, splits, attention kernel, combine kernel or None, log2-domain scale) of
     a launch shape on the current device, memoized (a function of the shapes only).
     ``kind``: "fp8", "bf16" or "model1"; ``topk``: the key tiles' worth of keys (both
-    lists of MODEL1, each padded to whole tiles)."""
-    key = (raw_kernels.current_device(), tokens, heads, topk, kind, dense, sm_scale, splits)
+    lists of MODEL1, each padded to whole tiles); ``out16``: the kernels of a 16-bit out."""
+    key = (raw_kernels.current_device(), tokens, heads, topk, kind, dense, sm_scale, splits,
+           out16)
     plan = _PLANS.get(key)
     if plan is None:
         units = tokens * -(-heads // HEADS_PER_CTA)
@@ -173,10 +187,11 @@ def _plan(tokens, heads, topk, kind, dense, sm_scale, splits):
             raise ValueError(f"Invalid splits: expected 1 <= splits <= {MAX_SPLITS}, "
                              f"got {splits}")
         combine = None if splits == 1 else raw_kernels.kernel(
-            "attention", combine_kernel_name(tokens * heads, raw_kernels.device_facts().sms),
-            COMBINE_ARGS)
-        fn = (raw_kernels.kernel("attention", "cps_sparse_mla_model1", MODEL1_ARGS, SMEM_BYTES)
-              if kind == "model1" else _attention_kernel(kind == "fp8"))
+            "attention", _kernel_name(combine_kernel_name(
+                tokens * heads, raw_kernels.device_facts().sms), out16), COMBINE_ARGS)
+        fn = raw_kernels.kernel("attention", _kernel_name(f"cps_sparse_mla_{kind}", out16),
+                                MODEL1_ARGS if kind == "model1" else ATTENTION_ARGS,
+                                SMEM_BYTES)
         plan = (units, splits, fn, combine, float(numpy.float32(sm_scale * math.log2(math.e))))
         if len(_PLANS) > 1024:
             _PLANS.clear()
@@ -187,35 +202,38 @@ def _plan(tokens, heads, topk, kind, dense, sm_scale, splits):
 _LAUNCHES: dict[Any, Any] = {}
 
 
-def prepare(cp, tokens, heads, topk, fp8, dense, sm_scale, d_v, splits=None):
+def prepare(cp, tokens, heads, topk, fp8, dense, sm_scale, d_v, splits=None,
+            out_dtype=numpy.dtype(numpy.float32)):
     """The fp8 / bf16 rows kernel's launch of one call shape on the current device,
-    memoized: ``run(q, q_half, kv, num_slots, indices, row_start, row_len, sink) ->
+    memoized: ``run(q, q_fmt, kv, num_slots, indices, row_start, row_len, sink) ->
     (out, lse)`` on operands already in the kernel's form (16-byte aligned q and kv,
-    int32 indices or ranges; :func:`_launch` makes them so). The plan (:func:`_plan`),
-    grids and scalars are fixed here; a call allocates out, lse and the split-KV
+    int32 indices or ranges; :func:`_launch` makes them so; ``q_fmt``: q's FORMATS
+    code). The plan (:func:`_plan`), grids, scalars and the dtype of out (float32,
+    float16 or bfloat16) are fixed here; a call allocates out, lse and the split-KV
     partials, launches the attention kernel and, where the plan splits, the combine.
     Needs tokens, heads and topk (or the dense ranges) non-empty."""
     key = (raw_kernels.current_device(), tokens, heads, topk, fp8, dense, sm_scale, d_v,
-           splits)
+           splits, out_dtype.name)
     known = _LAUNCHES.get(key)
     if known is not None:
         return known
+    out_fmt = FORMATS[out_dtype.name]
     units, splits, fn, combine, scale_log2 = _plan(tokens, heads, topk,
                                                    "fp8" if fp8 else "bf16", dense,
-                                                   sm_scale, splits)
+                                                   sm_scale, splits, out_fmt != 0)
     launch = fn.launcher((units * splits,), (DEC_THREADS if fp8 else WS_THREADS,),
                          SMEM_BYTES)
     merge = None if combine is None else combine.launcher((tokens * heads,), (COMBINE_THREADS,))
     out_shape, lse_shape = (tokens, heads, d_v), (tokens, heads)
 
-    def run(q, q_half, kv, num_slots, indices, row_start, row_len, sink):
-        out = raw_kernels.empty(cp, out_shape, cp.float32)
+    def run(q, q_fmt, kv, num_slots, indices, row_start, row_len, sink):
+        out = raw_kernels.empty(cp, out_shape, out_dtype)
         lse = raw_kernels.empty(cp, lse_shape, cp.float32)
         part = _partials(cp, tokens, heads, splits, d_v)
-        launch((q, q_half, kv, indices, topk, num_slots, row_start, row_len, out, lse, heads,
-                d_v, scale_log2, splits, part, sink))
+        launch((q, q_fmt, out_fmt, kv, indices, topk, num_slots, row_start, row_len, out, lse,
+                heads, d_v, scale_log2, splits, part, sink))
         if merge is not None:
-            merge((part, out, lse, sink, splits, d_v, heads))
+            merge((part, out, lse, sink, splits, d_v, heads, out_fmt))
         return out, lse
     if len(_LAUNCHES) > 1024:
         _LAUNCHES.clear()
@@ -223,26 +241,32 @@ def prepare(cp, tokens, heads, topk, fp8, dense, sm_scale, d_v, splits=None):
     return run
 
 
+def _no_keys(cp, tokens, heads, d_v, out_dtype):
+    """(out, lse) of rows with no key at all: out 0, lse -inf."""
+    out = raw_kernels.empty(cp, (tokens, heads, d_v), out_dtype)
+    lse = raw_kernels.empty(cp, (tokens, heads), cp.float32)
+    if tokens and heads:
+        out.fill(0)
+        lse.fill(-numpy.inf)
+    return out, lse
+
+
 def _launch(cp, q, kv, fp8, *, indices=None, row_start=None, row_len=None, sm_scale, d_v,
-            splits=None, sink=None):
+            splits=None, sink=None, out_dtype=numpy.dtype(numpy.float32)):
     tokens, heads, _ = q.shape
     topk = 0 if indices is None else indices.shape[1]
     if tokens == 0 or heads == 0 or (indices is not None and topk == 0):
-        out = raw_kernels.empty(cp, (tokens, heads, d_v), cp.float32)
-        lse = raw_kernels.empty(cp, (tokens, heads), cp.float32)
-        if tokens and heads:                # no key at all (and maybe no buffer behind
-            out.fill(0)                     # indices)
-            lse.fill(-numpy.inf)
-        return out, lse
-    run = prepare(cp, tokens, heads, topk, fp8, indices is None, sm_scale, d_v, splits)
-    qq, q_half = _q_operand(cp, q)
+        return _no_keys(cp, tokens, heads, d_v, out_dtype)   # (maybe no buffer behind indices)
+    run = prepare(cp, tokens, heads, topk, fp8, indices is None, sm_scale, d_v, splits,
+                  out_dtype)
+    qq, q_fmt = _q_operand(cp, q)
     num_slots = kv.shape[0]                   # every slot outside [0, num_slots) is masked
     if num_slots == 0:                        # every index is -1: never read, but keep
         kv = cp.zeros((1,) + kv.shape[1:], dtype=kv.dtype)   # the pointer valid
-    return run(qq, q_half, _aligned(cp, kv), num_slots, indices, row_start, row_len, sink)
+    return run(qq, q_fmt, _aligned(cp, kv), num_slots, indices, row_start, row_len, sink)
 
 
-def call_launch(cp, q, data, rows, indices, sm_scale, d_v):
+def call_launch(cp, q, data, rows, indices, sm_scale, d_v, out_dtype):
     """``(device, run)`` for the public op's call memo (see
     :func:`cpsparse.raw_kernels.topk.call_launch`): the fp8_ds_mla kernel's prepared
     launch (:func:`prepare`) of this call's shape on the current device, or None where
@@ -262,13 +286,13 @@ def call_launch(cp, q, data, rows, indices, sm_scale, d_v):
             or indices.dtype != cp.int32 or not tokens * heads * topk * num_slots \
             or rows.data.ptr != data.data.ptr or not data.flags.c_contiguous:
         return None
-    run = prepare(cp, tokens, heads, topk, True, False, sm_scale, d_v)
-    q_half = int(q.dtype == cp.float16)
+    run = prepare(cp, tokens, heads, topk, True, False, sm_scale, d_v, None, out_dtype)
+    q_fmt = FORMATS[q.dtype.name]
 
     def run_call(q, data, indices):
         if q.data.ptr % 16 or data.data.ptr % 16:
             return None
-        return run(q, q_half, data, num_slots, indices, None, None, None)
+        return run(q, q_fmt, data, num_slots, indices, None, None, None)
     return raw_kernels.current_device(), run_call
 
 
@@ -283,7 +307,7 @@ def _partials(cp, tokens, heads, splits, d_v):
 def _combine(cp, combine, part, out, lse, sink, splits, d_v, heads):
     if combine is not None:
         combine((out.shape[0] * heads,), (COMBINE_THREADS,),
-                (part, out, lse, sink, splits, d_v, heads))
+                (part, out, lse, sink, splits, d_v, heads, FORMATS[out.dtype.name]))
 
 
 def supports_model1(q_shape, d_v):
@@ -307,8 +331,9 @@ def _model1_pages(cp, data, block_size):
     return pages, page
 
 
-def sparse_mla_attention_model1(cp, q, caches, sm_scale, d_v, attn_sink=None, splits=None):
-    """out [T, H, d_v], lse [T, H] over MODEL1 caches, in one softmax.
+def sparse_mla_attention_model1(cp, q, caches, sm_scale, d_v, attn_sink=None, splits=None,
+                                out_dtype=numpy.dtype(numpy.float32)):
+    """out [T, H, d_v] (of ``out_dtype``), lse [T, H] over MODEL1 caches, in one softmax.
 
     ``caches``: one or two (pages uint8 [num_blocks, >= block_size * 584] with the
     page stride of the layout, block_size, indices [T, topk], lengths [T] or None)
@@ -318,10 +343,8 @@ def sparse_mla_attention_model1(cp, q, caches, sm_scale, d_v, attn_sink=None, sp
     caller checked :func:`supports_model1`.
     """
     tokens, heads, _ = q.shape
-    out = raw_kernels.empty(cp, (tokens, heads, d_v), cp.float32)
-    lse = raw_kernels.empty(cp, (tokens, heads), cp.float32)
     if tokens == 0 or heads == 0:
-        return out, lse
+        return _no_keys(cp, tokens, heads, d_v, out_dtype)
     lists = []
     for data, block_size, indices, lengths in caches:
         pages, stride = _model1_pages(cp, data, block_size)
@@ -339,16 +362,17 @@ def sparse_mla_attention_model1(cp, q, caches, sm_scale, d_v, attn_sink=None, sp
         lists.append((None, None, None, 0, 1, 0, 0))
     tiles = sum(-(-entry[3] // 64) for entry in lists)      # entry[3]: the list's topk
     if tiles == 0:
-        out.fill(0)
-        lse.fill(-numpy.inf)
-        return out, lse
+        return _no_keys(cp, tokens, heads, d_v, out_dtype)
+    out_fmt = FORMATS[out_dtype.name]
     units, splits, fn, combine, scale_log2 = _plan(tokens, heads, 64 * tiles, "model1", False,
-                                                   sm_scale, splits)
-    qq, q_half = _q_operand(cp, q)
+                                                   sm_scale, splits, out_fmt != 0)
+    qq, q_fmt = _q_operand(cp, q)
+    out = raw_kernels.empty(cp, (tokens, heads, d_v), out_dtype)
+    lse = raw_kernels.empty(cp, (tokens, heads), cp.float32)
     part = _partials(cp, tokens, heads, splits, d_v)
     (ka, ia, la, topk_a, bs_a, st_a, n_a), (kb, ib, lb, topk_b, bs_b, st_b, n_b) = lists
     fn((units * splits,), (WS_THREADS,),
-       (qq, q_half, ka, ia, la, topk_a, bs_a, st_a, n_a, kb, ib, lb, topk_b, bs_b, st_b, n_b,
+       (qq, q_fmt, out_fmt, ka, ia, la, topk_a, bs_a, st_a, n_a, kb, ib, lb, topk_b, bs_b, st_b, n_b,
         attn_sink, out, lse, heads, d_v, scale_log2, splits, part), shared_mem=SMEM_BYTES)
     _combine(cp, combine, part, out, lse, attn_sink, splits, d_v, heads)
     return out, lse
@@ -368,8 +392,9 @@ def supports_rows(rows, fp8):
 
 
 def sparse_mla_attention(cp, q, rows, indices, sm_scale, d_v, fp8, splits=None,
-                         lengths=None, attn_sink=None):
-    """out [T, H, d_v], lse [T, H] over ``rows[indices[t]]``.
+                         lengths=None, attn_sink=None, out_dtype=numpy.dtype(numpy.float32)):
+    """out [T, H, d_v] (of ``out_dtype``: float32, float16 or bfloat16), lse [T, H]
+    over ``rows[indices[t]]``.
 
     ``rows`` is the fp8_ds_mla record view uint8 [num_slots, 656] (``fp8``) or a
     dense float workspace [S, 576]. The caller checked :func:`supports` and
@@ -383,10 +408,11 @@ def sparse_mla_attention(cp, q, rows, indices, sm_scale, d_v, fp8, splits=None,
     kv = rows if fp8 else to_bf16(cp, rows)
     return _launch(cp, q, kv, fp8, indices=index_i32(cp, indices),
                    row_len=index_i32(cp, lengths), sm_scale=sm_scale, d_v=d_v,
-                   splits=splits, sink=attn_sink)
+                   splits=splits, sink=attn_sink, out_dtype=out_dtype)
 
 
-def dense_mla_attention(cp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges=None):
+def dense_mla_attention(cp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges=None,
+                        out_dtype=numpy.dtype(numpy.float32)):
     """Causal attention per request with the sparse kernel over key ranges.
 
     Query i of a request sees keys ``[k0, k0 + k_len - q_len + i + 1)``: the
@@ -399,7 +425,7 @@ def dense_mla_attention(cp, q, kv, sm_scale, d_v, cu_q, cu_k, key_ranges=None):
     else:
         start, visible = key_ranges       # device arrays of the batch metadata: no upload
     return _launch(cp, q, to_bf16(cp, kv), False, row_start=start, row_len=visible,
-                   sm_scale=sm_scale, d_v=d_v)
+                   sm_scale=sm_scale, d_v=d_v, out_dtype=out_dtype)
 
 
 def local_to_global_slots(cp, indices, req_ids, block_table, block_size):
