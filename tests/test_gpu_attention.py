@@ -949,6 +949,31 @@ def test_16bit_out_is_the_float32_out_rounded(cp, katt, bf16, out_name):
         assert np.isnan(out.get()[0, 3].astype(np.float32)).all(), name
 
 
+@pytest.mark.parametrize("d_v", [2, 130, 256, 510])
+def test_16bit_out_value_widths_and_partial_head_groups(cp, katt, bf16, d_v):
+    """A 16-bit out of any even d_v (d_v % 4 == 2: rows not 8-byte aligned, one column
+    pair a store) and 96 heads (the second head group half empty: its rows past the
+    heads are never written, the shuffles still run) in one pass (the fp8 epilogue, the
+    dense-rows epilogue) and split (the merge): the float32 out rounded, bit for bit."""
+    rng = np.random.default_rng(66 + d_v)
+    host, _ = flashmla_like_cache(rng, 40)
+    dev = cpsparse.MLAKVCache.wrap(cp.asarray(host.data))
+    rows_d = cp.asarray(bf16_normal(rng, (300, 576), 0.5))
+    for tokens in (140, 2):                                 # one pass, split
+        q = cp.asarray(bf16_normal(rng, (tokens, 96, 576), 0.1))
+        idx = cp.asarray(ragged_indices(rng, tokens, 512, 300))
+        for name, call in [("fp8", lambda **kw: sparse_mla_attention(q, dev, idx, SCALE,
+                                                                     d_v=d_v, **kw)),
+                           ("rows", lambda **kw: sparse_mla_attention(q, rows_d, idx, SCALE,
+                                                                      d_v=d_v, **kw))]:
+            out32 = call()[0].get()
+            for out_name in ("bfloat16", "float16"):
+                poison_pool(cp)
+                out = call(out_dtype=out_name)[0]
+                assert_same_bits(out, out32.astype(out.dtype),
+                                 f"{name} T={tokens} d_v={d_v} {out_name}")
+
+
 def test_16bit_out_in_the_prepared_call(cp, katt, bf16, attention_core_calls):
     """The call memo's prepared launch (production mode) keys the out dtype: float32,
     then bfloat16, then float32 again on the same layouts, each its own dtype and bits."""
