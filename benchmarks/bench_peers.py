@@ -589,7 +589,7 @@ def _io(s, w, sets):
     workload: its float16 sets as they are and a float32 out, or for a ``_bf16io`` row
     the same values as CuPy bfloat16 arrays (exact: they are bf16 values) and a bfloat16
     out, FlashMLA's dtypes."""
-    if w.get("io") != "bf16":
+    if w.get("io") != "bf16io":
         return sets, None, 4, "bf16 values as float16 to cpsparse, float32 out"
     import ml_dtypes
     bf16 = ml_dtypes.bfloat16

@@ -239,7 +239,7 @@ _OUT_DTYPES: dict[Any, Any] = {}
 def check_out_dtype(xp, out_dtype):
     """The numpy dtype of an op's ``out_dtype`` (None: float32), memoized by value:
     float32, bfloat16 (a name, ml_dtypes' type or dtype) or float16."""
-    key = (xp, out_dtype if isinstance(out_dtype, str) else repr(out_dtype))
+    key = (xp, type(out_dtype), out_dtype if isinstance(out_dtype, str) else repr(out_dtype))
     dtype = _OUT_DTYPES.get(key)
     if dtype is not None:
         return dtype
@@ -256,11 +256,12 @@ def check_out_dtype(xp, out_dtype):
     else:
         try:
             dtype = numpy.dtype(out_dtype)
-        except TypeError:
+        except (TypeError, ValueError):
             raise TypeError(f"Invalid out_dtype: expected {expected}, "
                             f"got {out_dtype!r}") from None
-    if dtype.name not in OUT_DTYPES:
-        raise TypeError(f"Invalid out_dtype: expected {expected}, got {dtype.name}")
+    if dtype.name not in OUT_DTYPES or not dtype.isnative:   # (">f2" is named float16)
+        raise TypeError(f"Invalid out_dtype: expected {expected} in the machine's byte "
+                        f"order, got {dtype.str if dtype.name in OUT_DTYPES else dtype.name}")
     if dtype.name == "bfloat16" and xp is not numpy:
         try:
             xp.empty(0, dtype=dtype)

@@ -178,12 +178,15 @@ def test_out_dtype_rounds_the_float32_out(out_dtype, want):
         np.testing.assert_array_equal(lse, lse32)
 
 
-@pytest.mark.parametrize("bad", ["float64", np.int32, "bf16", 3, object()])
+@pytest.mark.parametrize("bad", ["float64", np.int32, "bf16", 3, object(), ">f2", ">f4",
+                                 ("f4", -1), "dtype('float16')"])
 def test_out_dtype_refuses_other_types(bad):
     """Any out_dtype but float32, bfloat16 and float16 is a TypeError naming it, before
     any work (on both ops)."""
     kv = np.zeros((4, 8), np.float32)
     q = np.zeros((1, 1, 8), np.float32)
+    sparse_mla_attention(q, kv, np.zeros((1, 2), np.int32), 1.0, d_v=4,
+                         out_dtype=np.dtype("float16"))   # (the memo: another key)
     for call in (lambda: sparse_mla_attention(q, kv, np.zeros((1, 2), np.int32), 1.0,
                                               d_v=4, out_dtype=bad),
                  lambda: dense_mla_attention(q, kv, 1.0, d_v=4, out_dtype=bad)):

@@ -325,3 +325,21 @@ def test_mixed_decode_lens_are_one_fixed_batch_within_the_width():
     assert np.array_equal(a, bp._mixed_decode_lens(np, 64, 65536, 2))
     assert (a[:, 1] - a[:, 0] == 1).all() and a.min() >= 1 and a.max() <= 65536
     assert a[:, 1].max() > 4 * a[:, 1].min()
+
+
+def test_bf16io_rows_hand_cpsparse_bfloat16_and_ask_for_a_bfloat16_out():
+    """The _bf16io workloads give cpsparse the same values as bfloat16 arrays (indices
+    untouched) and ask for a bfloat16 out; the plain ones pass float16 sets as they are."""
+    import ml_dtypes
+
+    class S:
+        cp = np
+    sets = [(np.array([[1.5, -2.0]], np.float16), np.array([[3, -1]], np.int32))]
+    names = {w["name"]: w for w in bp.workloads()}
+    for name in ("mla_decode_B1_sq1_H128_bf16io", "mla_prefill_T4096_H64_bf16io"):
+        got, out_dtype, out_bytes, note = bp._io(S, names[name], sets)
+        assert (out_dtype, out_bytes) == ("bfloat16", 2) and "bfloat16" in note, name
+        assert got[0][0].dtype == ml_dtypes.bfloat16 and got[0][1] is sets[0][1]
+        assert (got[0][0].astype(np.float32) == sets[0][0].astype(np.float32)).all()
+    got, out_dtype, out_bytes, _ = bp._io(S, names["mla_decode_B1_sq1_H128"], sets)
+    assert got is sets and (out_dtype, out_bytes) == (None, 4)
