@@ -182,9 +182,9 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
         ``topk_length`` of ``extra_indices``.
     out_dtype : {None, "float32", "bfloat16", "float16"} or dtype, optional
         dtype of ``out`` (default float32): the float32 result rounded to nearest
-        even, on CuPy in the kernel's epilogue (FlashMLA's output is bfloat16: a 16-bit
-        ``out`` writes half the bytes). bfloat16 needs ml_dtypes (and CuPy >= 14).
-        ``lse`` is float32 either way.
+        even, on CuPy in the kernel's epilogue or the split-KV merge (bfloat16 is
+        FlashMLA's output dtype; no separate cast pass). bfloat16 needs ml_dtypes (and
+        CuPy >= 14). ``lse`` is float32 either way.
 
     Returns
     -------
