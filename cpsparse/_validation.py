@@ -236,10 +236,17 @@ OUT_DTYPES = ("float32", "bfloat16", "float16")
 _OUT_DTYPES: dict[Any, Any] = {}
 
 
+def out_dtype_key(out_dtype):
+    """Hashable key of an ``out_dtype`` argument for a memo: its type and value (the
+    repr of anything but None or a string, which need not hash)."""
+    return type(out_dtype), (out_dtype if out_dtype is None or isinstance(out_dtype, str)
+                             else repr(out_dtype))
+
+
 def check_out_dtype(xp, out_dtype):
     """The numpy dtype of an op's ``out_dtype`` (None: float32), memoized by value:
     float32, bfloat16 (a name, ml_dtypes' type or dtype) or float16."""
-    key = (xp, type(out_dtype), out_dtype if isinstance(out_dtype, str) else repr(out_dtype))
+    key = (xp,) + out_dtype_key(out_dtype)
     dtype = _OUT_DTYPES.get(key)
     if dtype is not None:
         return dtype

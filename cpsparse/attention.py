@@ -237,9 +237,8 @@ def sparse_mla_attention(q: Array, kv_cache: MLAKVCache | Array, indices: Array,
         data, wrapped = kv_cache, None
     key = V.layouts(q, indices, data)
     if key is not None:
-        key += (type(sm_scale), sm_scale, type(d_v), d_v, wrapped, type(out_dtype),
-                out_dtype if isinstance(out_dtype, str) or out_dtype is None
-                else repr(out_dtype))
+        key += (type(sm_scale), sm_scale, type(d_v), d_v, wrapped) \
+            + V.out_dtype_key(out_dtype)
     hit = _SPARSE_CALLS.get(key)
     if hit is None:
         xp = _backend.get_array_module(q=q, indices=indices, kv_cache=data)
