@@ -466,7 +466,8 @@ def test_attention_launch_arguments_on_both_paths(monkeypatch):
         out16, _ = katt.call_launch(CP, q, data, rows, idx, 0.1, 512,
                                     np.dtype(dtype))[1](q, data, idx)
         assert out16.dtype == np.dtype(dtype)
-        assert launches[-2][0] == "cps_sparse_mla_fp8_out16"   # the 16-bit out's kernels
+        # split: the float32 kernel writes the partials, the _out16 merge the out
+        assert launches[-2][0] == "cps_sparse_mla_fp8"
         assert launches[-1][0] == "cps_mla_combine_few_rows_out16"
         assert plain(launches[-2])[4][1:3] == (0, code)       # the kernel's, and the
         assert plain(launches[-1])[4][-1] == code             # combine's out_fmt

@@ -111,6 +111,19 @@ def test_attention_plan_refuses_splits_past_its_scratch(fake_device, splits, ok)
     assert (combine is None) == (splits == 1)
 
 
+@pytest.mark.parametrize("kind", ["fp8", "bf16", "model1"])
+def test_attention_plan_of_a_16bit_out(fake_device, kind):
+    """A 16-bit out: unsplit, the kind's _out16 kernel (its epilogue writes the out);
+    split, the float32 kernel (its partials are float32 either way) and the _out16
+    merge, which writes the out."""
+    _, _, fn, combine, _ = katt._plan(200, 128, 2048, kind, False, 0.1, 1, True)
+    assert (fn.name, combine) == (f"cps_sparse_mla_{kind}_out16", None)
+    _, _, fn, combine, _ = katt._plan(1, 128, 2048, kind, False, 0.1, 4, True)
+    assert (fn.name, combine.name) == (f"cps_sparse_mla_{kind}", "cps_mla_combine_few_rows_out16")
+    _, _, fn, combine, _ = katt._plan(1, 128, 2048, kind, False, 0.1, 4, False)
+    assert (fn.name, combine.name) == (f"cps_sparse_mla_{kind}", "cps_mla_combine_few_rows")
+
+
 def test_attention_partials_hold_rows_then_lse(monkeypatch):
     """The split-KV scratch: [T, H, splits, d_v] partial rows, then [T, H, splits] lse in
     the same float32 buffer; none for one split."""

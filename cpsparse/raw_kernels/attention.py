@@ -189,7 +189,10 @@ def _plan(tokens, heads, topk, kind, dense, sm_scale, splits, out16=False):
         combine = None if splits == 1 else raw_kernels.kernel(
             "attention", _kernel_name(combine_kernel_name(
                 tokens * heads, raw_kernels.device_facts().sms), out16), COMBINE_ARGS)
-        fn = raw_kernels.kernel("attention", _kernel_name(f"cps_sparse_mla_{kind}", out16),
+        # Split, the attention kernel writes float32 partials whatever out is (the merge
+        # writes out): the float32 kernel. An _out16 kernel has the 16-bit epilogue only.
+        fn = raw_kernels.kernel("attention",
+                                _kernel_name(f"cps_sparse_mla_{kind}", out16 and splits == 1),
                                 MODEL1_ARGS if kind == "model1" else ATTENTION_ARGS,
                                 SMEM_BYTES)
         plan = (units, splits, fn, combine, float(numpy.float32(sm_scale * math.log2(math.e))))
