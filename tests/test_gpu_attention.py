@@ -949,7 +949,7 @@ def test_16bit_out_is_the_float32_out_rounded(cp, katt, bf16, out_name):
         assert np.isnan(out.get()[0, 3].astype(np.float32)).all(), name
 
 
-@pytest.mark.parametrize("d_v", [2, 130, 256, 510])
+@pytest.mark.parametrize("d_v", [2, 130, 256, 260, 500, 510])
 def test_16bit_out_value_widths_and_partial_head_groups(cp, katt, bf16, d_v):
     """A 16-bit out of any even d_v (d_v % 4 == 2: rows not 8-byte aligned, one column
     pair a store) and 96 heads (the second head group half empty: its rows past the
