@@ -94,8 +94,8 @@ _HALF_LOAD0 = ("    att_load_pass(a, kv, slot, lane);\n    // The loop pulls til
                "    // The loop pulls tile t + 2")
 # The epilogue's bytes halved: the rows written as d_v / 2 wide (warpgroup 0's columns,
 # rows packed at half the stride): what a 16-bit output would write. Every product stays.
-_WRITE = ("    att_write_rows<OUT16>(st, w, base + ATT_OFF_L, out, lse, part_out, out_fmt, H, d_v, "
-          "splits,\n                          WG, r0, r1, t4, sink);\n}\n\n// The kernels' bodies")
+_WRITE = ("    att_write_rows<OUT>(st, w, base + ATT_OFF_L, out, lse, part_out, H, d_v, splits, WG, "
+          "r0,\n                        r1, t4, sink);\n}\n\n// The kernels' bodies")
 _HALF_STORE = ("        att_store_pass<32, true>(a, sk, row0, lane);\n",
                "        if (pw < 4) att_store_pass<32, true>(a, sk, row0, lane);\n")
 VARIANTS = {
@@ -168,10 +168,10 @@ PREFILL_VARIANTS = {
              "    att_bar_sync(ATT_BAR_MATH, ATT_MATH_THREADS);\n    AttRows st;\n"
              "    att_rows_init(st);\n    st.m0 = ATT_PP_MAX_INIT;")],
     # (a guard the compiler cannot fold: with O never read, ptxas drops the P V products)
-    "nowrite": [("    att_write_rows<OUT16>(st, w, base + ATT_OFF_L, out, lse, part_out, out_fmt, H,"
-                 " d_v, splits,\n                          wg,",
-                 "    if (d_v == -1) att_write_rows<OUT16>(st, w, base + ATT_OFF_L, out, lse,"
-                 " part_out, out_fmt, H, d_v, splits,\n                          wg,")],
+    "nowrite": [("    att_write_rows<OUT>(st, w, base + ATT_OFF_L, out, lse, part_out, H, d_v, splits,"
+                 " wg, r0,\n",
+                 "    if (d_v == -1) att_write_rows<OUT>(st, w, base + ATT_OFF_L, out, lse,"
+                 " part_out, H, d_v, splits, wg, r0,\n")],
 }
 PREFILL_SHAPES = [(4096, 128), (4096, 64)]          # (T, H); 8192 rows, top-k 2048
 PREFILL_ROWS = 8192
@@ -232,8 +232,7 @@ TIMELINE = [
      "            att_bar_sync(ATT_BAR_FULL + buf, ATT_DEC_FULL_THREADS);\n"
      "            if (tid == 0 && it == w.t_first) att_timeline_at(2);\n"),
     (_WRITE, "    if (tid == 0) att_timeline_at(3);\n" + _WRITE.replace(
-        "WG, r0, r1, t4, sink);\n}", "WG, r0, r1, t4, sink);\n"
-        "    if (tid == 0) att_timeline_at(4);\n}")),
+        "r1, t4, sink);\n}", "r1, t4, sink);\n    if (tid == 0) att_timeline_at(4);\n}")),
 ]
 TIMELINE_SHAPES = [(128, 1, 128), (128, 2, 128)]    # (B, s_q, H): 2 and 4 waves of CTAs
 

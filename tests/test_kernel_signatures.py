@@ -17,7 +17,8 @@ from cpsparse.raw_kernels import attention, indexer, quant, topk
 
 # (source, kernel name or the macro that declares a family of kernels, signature)
 DECLARED = [
-    *[("attention.cu", name + out, args) for out in ("", "_out16") for name, args in (
+    *[("attention.cu", name + out, args) for out in attention.OUT_SUFFIX.values()
+      for name, args in (
         ("cps_sparse_mla_bf16", attention.ATTENTION_ARGS),
         ("cps_sparse_mla_fp8", attention.ATTENTION_ARGS),
         ("cps_mla_combine", attention.COMBINE_ARGS),
@@ -450,10 +451,10 @@ def test_attention_launch_arguments_on_both_paths(monkeypatch):
     def want(call):                              # call 0: the checked path, 1: the memo's
         out, lse, part = (0x10000 + 0x100 * (3 * call + i) for i in range(3))
         return [("cps_sparse_mla_fp8", (units * splits,), (katt.DEC_THREADS,), katt.SMEM_BYTES,
-                 (0x1000, 0, 0, 0x3000, 0x2000, 2048, 2560, None, None, out, lse, 128, 512,
+                 (0x1000, 0, 0x3000, 0x2000, 2048, 2560, None, None, out, lse, 128, 512,
                   scale_log2, splits, part, None)),
                 ("cps_mla_combine_few_rows", (128,), (katt.COMBINE_THREADS,), 0,
-                 (part, out, lse, None, splits, 512, 128, 0))]
+                 (part, out, lse, None, splits, 512, 128))]
     assert [plain(x) for x in launches] == want(0) + want(1)
     assert run(Arr(q.shape, np.float32, 0x1004), data, idx) is None
     assert run(q, Arr(data.shape, np.uint8, 0x3008), idx) is None
@@ -461,16 +462,17 @@ def test_attention_launch_arguments_on_both_paths(monkeypatch):
     for dtype, code in [(np.float16, 1), (ml_dtypes.bfloat16, 2)]:
         q16 = Arr(q.shape, np.dtype(dtype))
         katt.call_launch(CP, q16, data, rows, idx, 0.1, 512, f32)[1](q16, data, idx)
-        assert plain(launches[-2])[4][1:3] == (code, 0)       # q_fmt, out_fmt
-    for dtype, code in [(np.float16, 1), (ml_dtypes.bfloat16, 2)]:
+        assert plain(launches[-2])[4][1] == code              # q_fmt
+    for dtype, suffix in [(np.float16, "_out_f16"), (ml_dtypes.bfloat16, "_out_bf16")]:
         out16, _ = katt.call_launch(CP, q, data, rows, idx, 0.1, 512,
                                     np.dtype(dtype))[1](q, data, idx)
         assert out16.dtype == np.dtype(dtype)
-        # split: the float32 kernel writes the partials, the _out16 merge the out
+        # split: the float32 kernel writes the partials, the merge of the out's format
+        # the out (a format is a kernel's own, not an argument)
         assert launches[-2][0] == "cps_sparse_mla_fp8"
-        assert launches[-1][0] == "cps_mla_combine_few_rows_out16"
-        assert plain(launches[-2])[4][1:3] == (0, code)       # the kernel's, and the
-        assert plain(launches[-1])[4][-1] == code             # combine's out_fmt
+        assert launches[-1][0] == "cps_mla_combine_few_rows" + suffix
+        assert plain(launches[-2])[4][1:3] == (0, 0x3000)     # q_fmt, then kv
+        assert len(plain(launches[-1])[4]) == 7
     for q_, data_, rows_, idx_ in [(Arr(q.shape, np.float64), data, rows, idx),
                                    (q, data, rows, Arr(idx.shape, np.int64)),
                                    (q, data, Arr(rows.shape, np.uint8, 0x5000), idx),

@@ -112,15 +112,18 @@ def test_attention_plan_refuses_splits_past_its_scratch(fake_device, splits, ok)
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16", "model1"])
-def test_attention_plan_of_a_16bit_out(fake_device, kind):
-    """A 16-bit out: unsplit, the kind's _out16 kernel (its epilogue writes the out);
-    split, the float32 kernel (its partials are float32 either way) and the _out16
-    merge, which writes the out."""
-    _, _, fn, combine, _ = katt._plan(200, 128, 2048, kind, False, 0.1, 1, True)
-    assert (fn.name, combine) == (f"cps_sparse_mla_{kind}_out16", None)
-    _, _, fn, combine, _ = katt._plan(1, 128, 2048, kind, False, 0.1, 4, True)
-    assert (fn.name, combine.name) == (f"cps_sparse_mla_{kind}", "cps_mla_combine_few_rows_out16")
-    _, _, fn, combine, _ = katt._plan(1, 128, 2048, kind, False, 0.1, 4, False)
+@pytest.mark.parametrize("out_name, suffix", [("float16", "_out_f16"),
+                                              ("bfloat16", "_out_bf16")])
+def test_attention_plan_of_a_16bit_out(fake_device, kind, out_name, suffix):
+    """A 16-bit out: unsplit, the kind's kernel of that format (its epilogue writes the
+    out); split, the float32 kernel (its partials are float32 either way) and the merge
+    of that format, which writes the out."""
+    _, _, fn, combine, _ = katt._plan(200, 128, 2048, kind, False, 0.1, 1, out_name)
+    assert (fn.name, combine) == (f"cps_sparse_mla_{kind}{suffix}", None)
+    _, _, fn, combine, _ = katt._plan(1, 128, 2048, kind, False, 0.1, 4, out_name)
+    assert (fn.name, combine.name) == (f"cps_sparse_mla_{kind}",
+                                       "cps_mla_combine_few_rows" + suffix)
+    _, _, fn, combine, _ = katt._plan(1, 128, 2048, kind, False, 0.1, 4)
     assert (fn.name, combine.name) == (f"cps_sparse_mla_{kind}", "cps_mla_combine_few_rows")
 
 

@@ -91,10 +91,15 @@ __device__ __forceinline__ u32 att_pack_bf16(float lo, float hi) {
     return r;
 }
 
-// Two floats -> the packed 16-bit pair of an output of format fmt (ATT_FMT_BF16 or
-// ATT_FMT_F16; lo in the low half), round to nearest even.
-__device__ __forceinline__ u32 att_pack_out16(float lo, float hi, int fmt) {
-    if (fmt == ATT_FMT_BF16) return att_pack_bf16(lo, hi);
+// Two floats -> the packed 16-bit pair of an out of format OUT (ATT_FMT_BF16 or
+// ATT_FMT_F16; lo in the low half), round to nearest even. The format is a template
+// argument, not a kernel argument: on a runtime format the compiler copied the row
+// store once a format, and the fp8 kernel holding both copies ran its tiles 5-7%
+// slower than the float32 one (B=128, H100); with one format it matches it.
+template <int OUT>
+__device__ __forceinline__ u32 att_pack_out16(float lo, float hi) {
+    static_assert(OUT == ATT_FMT_BF16 || OUT == ATT_FMT_F16, "a 16-bit out format");
+    if constexpr (OUT == ATT_FMT_BF16) return att_pack_bf16(lo, hi);
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
@@ -678,9 +683,9 @@ __device__ __forceinline__ void att_softmax_pv(float (&s)[16], AttRows& st, u32 
 // cps_mla_combine. L == 0: no valid key (out 0, lse -inf); a NaN score makes L NaN,
 // and NaN flows into out and lse (never the "no valid key" marker). With an attention
 // sink [H] (or nullptr; splits == 1 here, else cps_mla_combine applies it) out is
-// scaled by att_sink_factor; lse is not. out is float32, bf16 or f16 (out_fmt, one of
-// the ATT_FMT_* Python defines), rounded once from the float32 row; the partials and
-// lse are float32.
+// scaled by att_sink_factor; lse is not. out is float32, bf16 or f16 (OUT, one of the
+// ATT_FMT_* Python defines), rounded once from the float32 row; the partials and lse are
+// float32.
 __device__ __forceinline__ float att_sink_factor(const float* __restrict__ sink, int h,
                                                  float row_lse) {
     // exp(lse) / (exp(lse) + exp(sink)): +inf sink -> 0, -inf -> 1. An empty row (lse
@@ -689,7 +694,7 @@ __device__ __forceinline__ float att_sink_factor(const float* __restrict__ sink,
     return 1.f / (1.f + expf(__ldg(sink + h) - row_lse));
 }
 
-// A 16-bit row (splits == 1, out_fmt bf16 or f16) from a thread's fragment: its
+// A 16-bit row (splits == 1, OUT bf16 or f16) from a thread's fragment: its
 // column pairs (8 n + 2 t4, + 1) of each 8-column block n, scaled by inv. The four
 // threads of a quad regroup the pairs of blocks 2m and 2m + 1 by two shuffles, so each
 // stores 4 adjacent values (8 bytes; a quad's store covers one 32-byte sector of the
@@ -697,19 +702,19 @@ __device__ __forceinline__ float att_sink_factor(const float* __restrict__ sink,
 // 2 (t4 & 1) and 2 (t4 & 1) + 1 of block 2m + (t4 >> 1). (4-byte stores of single pairs
 // would issue as many store instructions as float32 rows, for half the bytes.) Rows of
 // d_v % 4 == 2 are not 8-byte aligned: one pair a store there.
-template <int FRAG>
+template <int FRAG, int OUT>
 __device__ __forceinline__ void att_store_row16(const float (&o)[128], u16* __restrict__ row,
-                                                float inv, int fmt, int col0, int d_v,
-                                                bool mine, int t4) {
+                                                float inv, int col0, int d_v, bool mine,
+                                                int t4) {
     const int lane = threadIdx.x & 31;
     const int src1 = (lane & ~3) | ((0x3021 >> (4 * t4)) & 3);   // t4 0..3 <- 1, 2, 0, 3
     const int src2 = (lane & ~3) | ((0x2130 >> (4 * t4)) & 3);   // t4 0..3 <- 0, 3, 1, 2
     if ((d_v & 3) == 0) {
 #pragma unroll
         for (int m = 0; m < 16; ++m) {
-            const u32 a = att_pack_out16(o[8 * m + FRAG] * inv, o[8 * m + FRAG + 1] * inv, fmt);
-            const u32 b = att_pack_out16(o[8 * m + 4 + FRAG] * inv, o[8 * m + 5 + FRAG] * inv,
-                                         fmt);
+            const u32 a = att_pack_out16<OUT>(o[8 * m + FRAG] * inv, o[8 * m + FRAG + 1] * inv);
+            const u32 b = att_pack_out16<OUT>(o[8 * m + 4 + FRAG] * inv,
+                                              o[8 * m + 5 + FRAG] * inv);
             const u32 s1 = __shfl_sync(0xffffffffu, t4 == 0 ? b : a, src1);
             const u32 s2 = __shfl_sync(0xffffffffu, t4 == 3 ? a : b, src2);
             const int c = col0 + 16 * m + 4 * t4;
@@ -723,17 +728,16 @@ __device__ __forceinline__ void att_store_row16(const float (&o)[128], u16* __re
             const int c = col0 + 8 * n + 2 * t4;
             if (mine && c < d_v)
                 *reinterpret_cast<u32*>(row + c) =
-                    att_pack_out16(o[4 * n + FRAG] * inv, o[4 * n + FRAG + 1] * inv, fmt);
+                    att_pack_out16<OUT>(o[4 * n + FRAG] * inv, o[4 * n + FRAG + 1] * inv);
         }
     }
 }
 
-template <bool OUT16>
+template <int OUT>
 __device__ __forceinline__ void att_write_rows(AttRows& st, const AttShare& w, u32 s_l,
                                                void* __restrict__ out, float* __restrict__ lse,
-                                               float* __restrict__ part_out, int out_fmt,
-                                               int H, int d_v, int splits, int wg, int r0,
-                                               int r1, int t4,
+                                               float* __restrict__ part_out, int H, int d_v,
+                                               int splits, int wg, int r0, int r1, int t4,
                                                const float* __restrict__ sink = nullptr) {
     float l0 = st.l0, l1 = st.l1;
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -758,15 +762,15 @@ __device__ __forceinline__ void att_write_rows(AttRows& st, const AttShare& w, u
     const int groups = (H + 63) >> 6;
     const size_t part_rows = (size_t)(gridDim.x / splits / groups) * H * splits;
     float* const dst_lse = splits == 1 ? lse : part_out + part_rows * d_v;
-    // An _out16 kernel runs unsplit only (the launcher's plan: split, the float32 kernel
-    // writes the partials and the _out16 merge the 16-bit out), so it has one epilogue:
-    // a kernel holding both ran its whole loop 4-13% slower (ptxas).
-    if constexpr (OUT16) {
+    // A 16-bit-out kernel runs unsplit only (the launcher's plan: split, the float32
+    // kernel writes the partials and the merge of the out's format the out), so it has
+    // one epilogue: a kernel holding both ran its whole loop 4-13% slower (ptxas).
+    if constexpr (OUT != ATT_FMT_F32) {
         u16* const out16 = reinterpret_cast<u16*>(out);
-        att_store_row16<0>(st.o, out16 + ((size_t)w.tok * H + w.h0 + r0) * d_v, inv0,
-                           out_fmt, wg * 256, d_v, r0 < w.nh, t4);
-        att_store_row16<2>(st.o, out16 + ((size_t)w.tok * H + w.h0 + r1) * d_v, inv1,
-                           out_fmt, wg * 256, d_v, r1 < w.nh, t4);
+        att_store_row16<0, OUT>(st.o, out16 + ((size_t)w.tok * H + w.h0 + r0) * d_v, inv0,
+                                wg * 256, d_v, r0 < w.nh, t4);
+        att_store_row16<2, OUT>(st.o, out16 + ((size_t)w.tok * H + w.h0 + r1) * d_v, inv1,
+                                wg * 256, d_v, r1 < w.nh, t4);
     } else {
         float* const dst = splits == 1 ? reinterpret_cast<float*>(out) : part_out;
         float* out0 = dst + (((size_t)w.tok * H + w.h0 + r0) * splits + w.split) * d_v;
@@ -801,7 +805,7 @@ __device__ __forceinline__ void att_rows_init(AttRows& st) {
 }
 
 #define ATT_PARAMS                                                                          \
-    const void* __restrict__ q, int q_fmt, int out_fmt, const u8* __restrict__ kv,          \
+    const void* __restrict__ q, int q_fmt, const u8* __restrict__ kv,                       \
         const int* __restrict__ indices, int topk, int num_slots,                           \
         const int* __restrict__ row_start, const int* __restrict__ row_len,                 \
         void* __restrict__ out, float* __restrict__ lse, int H, int d_v, float scale_log2,  \
@@ -820,8 +824,8 @@ __device__ __forceinline__ void att_math_start(const void* __restrict__ q, int q
 // The math warpgroups of the MODEL1 kernel (threads 0..255): Q (D wide) to shared
 // memory, then for each tile the producer filled: QK^T over D / 16 k-steps, softmax, PV;
 // then the rows (scaled by the sink, if any).
-template <int D, bool OUT16>
-__device__ __forceinline__ void att_consume(const void* __restrict__ q, int q_fmt, int out_fmt,
+template <int D, int OUT>
+__device__ __forceinline__ void att_consume(const void* __restrict__ q, int q_fmt,
                                             const AttShare& w, int H, u32 base,
                                             float scale_log2, void* __restrict__ out,
                                             float* __restrict__ lse,
@@ -858,8 +862,8 @@ __device__ __forceinline__ void att_consume(const void* __restrict__ q, int q_fm
         }
         if (it + 2 < w.t_end) att_bar_arrive(ATT_BAR_EMPTY + buf, ATT_WS_THREADS);
     }
-    att_write_rows<OUT16>(st, w, s_max, out, lse, part_out, out_fmt, H, d_v, splits, wg, r0, r1,
-                          t4, sink);
+    att_write_rows<OUT>(st, w, s_max, out, lse, part_out, H, d_v, splits, wg, r0, r1, t4,
+                        sink);
 }
 
 
@@ -1205,8 +1209,8 @@ static_assert(128 * (2 * ATT_DEC_PRODUCER_REGS + ATT_DEC_WG0_REGS + ATT_DEC_WG1_
 // 1: O's columns 256..511, rescaled as warpgroup 0 rescales its own (the same exp2 of the
 // same two maxima), P from shared memory; its row sums stay 0 (warpgroup 0 holds them
 // all; att_write_rows adds the two).
-template <int WG, int D, bool OUT16>
-__device__ __forceinline__ void att_dec_math(const void* __restrict__ q, int q_fmt, int out_fmt,
+template <int WG, int D, int OUT>
+__device__ __forceinline__ void att_dec_math(const void* __restrict__ q, int q_fmt,
                                              const AttShare& w, int H, u32 base,
                                              float scale_log2, void* __restrict__ out,
                                              float* __restrict__ lse,
@@ -1256,19 +1260,19 @@ __device__ __forceinline__ void att_dec_math(const void* __restrict__ q, int q_f
             if (it + 1 < w.t_end) att_bar_arrive(ATT_BAR_P_FREE, ATT_MATH_THREADS);
         }
     }
-    att_write_rows<OUT16>(st, w, base + ATT_OFF_L, out, lse, part_out, out_fmt, H, d_v, splits,
-                          WG, r0, r1, t4, sink);
+    att_write_rows<OUT>(st, w, base + ATT_OFF_L, out, lse, part_out, H, d_v, splits, WG, r0,
+                        r1, t4, sink);
 }
 
-// The kernels' bodies are templates of OUT16: the _out16 kernels write a 16-bit out
-// (out_fmt bf16 or f16), the others float32 rows (out_fmt ignored), each with its own
+// The kernels' bodies are templates of the out's format OUT (ATT_FMT_*): the _out_bf16
+// and _out_f16 kernels write a 16-bit out, the others float32 rows, each with its own
 // epilogue only.
 #define ATT_ARGS                                                                           \
-    q, q_fmt, out_fmt, kv, indices, topk, num_slots, row_start, row_len, out, lse, H, d_v,  \
+    q, q_fmt, kv, indices, topk, num_slots, row_start, row_len, out, lse, H, d_v,           \
         scale_log2, splits, part_out, sink
 
 // The fp8_ds_mla cache: warp-specialized (see "warp specialization" above).
-template <bool OUT16>
+template <int OUT>
 __device__ __forceinline__ void att_fp8_kernel(ATT_PARAMS) {
     extern __shared__ __align__(1024) u8 att_smem_raw[];
     const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
@@ -1282,29 +1286,35 @@ __device__ __forceinline__ void att_fp8_kernel(ATT_PARAMS) {
     }
     if (tid < 128) {
         cps_setmaxnreg_inc<ATT_DEC_WG0_REGS>();
-        att_dec_math<0, ATT_D, OUT16>(q, q_fmt, out_fmt, w, H, base, scale_log2, out, lse,
-                                      part_out, d_v, splits, sink, tid);
+        att_dec_math<0, ATT_D, OUT>(q, q_fmt, w, H, base, scale_log2, out, lse, part_out,
+                                    d_v, splits, sink, tid);
     } else {
         cps_setmaxnreg_inc<ATT_DEC_WG1_REGS>();
-        att_dec_math<1, ATT_D, OUT16>(q, q_fmt, out_fmt, w, H, base, scale_log2, out, lse,
-                                      part_out, d_v, splits, sink, tid);
+        att_dec_math<1, ATT_D, OUT>(q, q_fmt, w, H, base, scale_log2, out, lse, part_out,
+                                    d_v, splits, sink, tid);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_DEC_THREADS, 1) cps_sparse_mla_fp8(ATT_PARAMS) {
     CPS_PDL_WAIT();
-    att_fp8_kernel<false>(ATT_ARGS);
+    att_fp8_kernel<ATT_FMT_F32>(ATT_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_DEC_THREADS, 1)
-cps_sparse_mla_fp8_out16(ATT_PARAMS) {
+cps_sparse_mla_fp8_out_bf16(ATT_PARAMS) {
     CPS_PDL_WAIT();
-    att_fp8_kernel<true>(ATT_ARGS);
+    att_fp8_kernel<ATT_FMT_BF16>(ATT_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_DEC_THREADS, 1)
+cps_sparse_mla_fp8_out_f16(ATT_PARAMS) {
+    CPS_PDL_WAIT();
+    att_fp8_kernel<ATT_FMT_F16>(ATT_ARGS);
 }
 
 // The math warpgroups of the ping-pong kernel (threads 0..255).
-template <int D, bool OUT16>
-__device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q_fmt, int out_fmt,
+template <int D, int OUT>
+__device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q_fmt,
                                                const AttShare& w, int H, u32 base,
                                                float scale_log2, void* __restrict__ out,
                                                float* __restrict__ lse,
@@ -1460,12 +1470,12 @@ __device__ __forceinline__ void att_consume_pp(const void* __restrict__ q, int q
             if (more) att_bar_arrive(ATT_PP_BAR_EMPTY + 1, 256);
         }
     }
-    att_write_rows<OUT16>(st, w, base + ATT_OFF_L, out, lse, part_out, out_fmt, H, d_v, splits,
-                          wg, r0, r1, t4, sink);
+    att_write_rows<OUT>(st, w, base + ATT_OFF_L, out, lse, part_out, H, d_v, splits, wg, r0,
+                        r1, t4, sink);
 }
 
 // Dense bf16 rows (the workspace of the dense and sparse routes), ping-pong schedule.
-template <bool OUT16>
+template <int OUT>
 __device__ __forceinline__ void att_bf16_kernel(ATT_PARAMS) {
     extern __shared__ __align__(1024) u8 att_smem_raw[];
     const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
@@ -1483,19 +1493,25 @@ __device__ __forceinline__ void att_bf16_kernel(ATT_PARAMS) {
         att_produce_bf16(kv, w, num_slots, base, tid - ATT_MATH_THREADS);
         return;
     }
-    att_consume_pp<ATT_D, OUT16>(q, q_fmt, out_fmt, w, H, base, scale_log2, out, lse, part_out,
-                                 d_v, splits, sink, tid);
+    att_consume_pp<ATT_D, OUT>(q, q_fmt, w, H, base, scale_log2, out, lse, part_out, d_v,
+                               splits, sink, tid);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1) cps_sparse_mla_bf16(ATT_PARAMS) {
     CPS_PDL_WAIT();
-    att_bf16_kernel<false>(ATT_ARGS);
+    att_bf16_kernel<ATT_FMT_F32>(ATT_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1)
-cps_sparse_mla_bf16_out16(ATT_PARAMS) {
+cps_sparse_mla_bf16_out_bf16(ATT_PARAMS) {
     CPS_PDL_WAIT();
-    att_bf16_kernel<true>(ATT_ARGS);
+    att_bf16_kernel<ATT_FMT_BF16>(ATT_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1)
+cps_sparse_mla_bf16_out_f16(ATT_PARAMS) {
+    CPS_PDL_WAIT();
+    att_bf16_kernel<ATT_FMT_F16>(ATT_ARGS);
 }
 
 
@@ -1688,7 +1704,7 @@ __device__ __forceinline__ void att_produce_m1(const AttM1Cache& ca, const AttM1
 // warpgroups as cps_sparse_mla_fp8; the split-KV share is over the token's combined
 // tiles (computed here from its lengths: the launch shape stays a function of shapes).
 #define ATT_M1_PARAMS                                                                       \
-    const void* __restrict__ q, int q_fmt, int out_fmt, const u8* __restrict__ kv,          \
+    const void* __restrict__ q, int q_fmt, const u8* __restrict__ kv,                       \
         const int* __restrict__ indices, const int* __restrict__ lengths, int topk,         \
         int block_size, long long page_stride, int num_slots, const u8* __restrict__ ekv,   \
         const int* __restrict__ eindices, const int* __restrict__ elengths, int etopk,      \
@@ -1697,11 +1713,11 @@ __device__ __forceinline__ void att_produce_m1(const AttM1Cache& ca, const AttM1
         int H, int d_v, float scale_log2, int splits, float* __restrict__ part_out
 
 #define ATT_M1_ARGS                                                                         \
-    q, q_fmt, out_fmt, kv, indices, lengths, topk, block_size, page_stride, num_slots, ekv, \
+    q, q_fmt, kv, indices, lengths, topk, block_size, page_stride, num_slots, ekv,          \
         eindices, elengths, etopk, eblock_size, epage_stride, enum_slots, sink, out, lse, H, \
         d_v, scale_log2, splits, part_out
 
-template <bool OUT16>
+template <int OUT>
 __device__ __forceinline__ void att_model1_kernel(ATT_M1_PARAMS) {
     extern __shared__ __align__(1024) u8 att_smem_raw[];
     const u32 base = (cps_smem_u32(att_smem_raw) + 1023u) & ~1023u;
@@ -1727,20 +1743,26 @@ __device__ __forceinline__ void att_model1_kernel(ATT_M1_PARAMS) {
         att_produce_m1(ca, cb, m, w.t_first, w.t_end, base, tid - ATT_MATH_THREADS);
         return;
     }
-    att_consume<ATT_M1_D, OUT16>(q, q_fmt, out_fmt, w, H, base, scale_log2, out, lse, part_out,
-                                 d_v, splits, sink, tid);
+    att_consume<ATT_M1_D, OUT>(q, q_fmt, w, H, base, scale_log2, out, lse, part_out, d_v,
+                               splits, sink, tid);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1)
 cps_sparse_mla_model1(ATT_M1_PARAMS) {
     CPS_PDL_WAIT();
-    att_model1_kernel<false>(ATT_M1_ARGS);
+    att_model1_kernel<ATT_FMT_F32>(ATT_M1_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1)
-cps_sparse_mla_model1_out16(ATT_M1_PARAMS) {
+cps_sparse_mla_model1_out_bf16(ATT_M1_PARAMS) {
     CPS_PDL_WAIT();
-    att_model1_kernel<true>(ATT_M1_ARGS);
+    att_model1_kernel<ATT_FMT_BF16>(ATT_M1_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WS_THREADS, 1)
+cps_sparse_mla_model1_out_f16(ATT_M1_PARAMS) {
+    CPS_PDL_WAIT();
+    att_model1_kernel<ATT_FMT_F16>(ATT_M1_ARGS);
 }
 
 
@@ -1762,11 +1784,11 @@ cps_sparse_mla_model1_out16(ATT_M1_PARAMS) {
 //     of 8 splits): 8 CTAs an SM, the whole batch in one wave.
 #define ATT_COMBINE_PARAMS                                                                  \
     const float* __restrict__ part_out, void* __restrict__ out, float* __restrict__ lse,    \
-        const float* __restrict__ sink, int splits, int d_v, int H, int out_fmt
+        const float* __restrict__ sink, int splits, int d_v, int H
 
 static_assert(2 * ATT_COMBINE_THREADS * 2 >= ATT_DV, "two float2 value columns a thread");
 static_assert(ATT_MAX_SPLITS <= 64, "two splits' weights a lane");
-template <int CHUNK, bool OUT16>
+template <int CHUNK, int OUT>
 __device__ __forceinline__ void att_combine_row(ATT_COMBINE_PARAMS) {
     const size_t row = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, ncol = d_v >> 1;  // float2 columns
@@ -1821,8 +1843,8 @@ __device__ __forceinline__ void att_combine_row(ATT_COMBINE_PARAMS) {
         const int c = tid + k * ATT_COMBINE_THREADS;
         if (c < ncol) {
             const float2 o = nan ? make_float2(qnan, qnan) : acc[k];
-            if constexpr (OUT16)
-                reinterpret_cast<u32*>(out)[row * ncol + c] = att_pack_out16(o.x, o.y, out_fmt);
+            if constexpr (OUT != ATT_FMT_F32)
+                reinterpret_cast<u32*>(out)[row * ncol + c] = att_pack_out16<OUT>(o.x, o.y);
             else
                 reinterpret_cast<float2*>(out)[row * ncol + c] = o;
         }
@@ -1830,30 +1852,42 @@ __device__ __forceinline__ void att_combine_row(ATT_COMBINE_PARAMS) {
     if (tid == 0) lse[row] = nan ? qnan : merged;
 }
 
-#define ATT_COMBINE_ARGS part_out, out, lse, sink, splits, d_v, H, out_fmt
-// (_out16: a 16-bit out of format out_fmt; the others float32, out_fmt ignored)
+#define ATT_COMBINE_ARGS part_out, out, lse, sink, splits, d_v, H
+// (_out_bf16 / _out_f16: a 16-bit out of that format; the others float32)
 extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS)
 cps_mla_combine_few_rows(ATT_COMBINE_PARAMS) {
     CPS_PDL_WAIT();
-    att_combine_row<16, false>(ATT_COMBINE_ARGS);
+    att_combine_row<16, ATT_FMT_F32>(ATT_COMBINE_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS)
-cps_mla_combine_few_rows_out16(ATT_COMBINE_PARAMS) {
+cps_mla_combine_few_rows_out_bf16(ATT_COMBINE_PARAMS) {
     CPS_PDL_WAIT();
-    att_combine_row<16, true>(ATT_COMBINE_ARGS);
+    att_combine_row<16, ATT_FMT_BF16>(ATT_COMBINE_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS)
+cps_mla_combine_few_rows_out_f16(ATT_COMBINE_PARAMS) {
+    CPS_PDL_WAIT();
+    att_combine_row<16, ATT_FMT_F16>(ATT_COMBINE_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS, 8)
 cps_mla_combine(ATT_COMBINE_PARAMS) {
     CPS_PDL_WAIT();
-    att_combine_row<8, false>(ATT_COMBINE_ARGS);
+    att_combine_row<8, ATT_FMT_F32>(ATT_COMBINE_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS, 8)
-cps_mla_combine_out16(ATT_COMBINE_PARAMS) {
+cps_mla_combine_out_bf16(ATT_COMBINE_PARAMS) {
     CPS_PDL_WAIT();
-    att_combine_row<8, true>(ATT_COMBINE_ARGS);
+    att_combine_row<8, ATT_FMT_BF16>(ATT_COMBINE_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_COMBINE_THREADS, 8)
+cps_mla_combine_out_f16(ATT_COMBINE_PARAMS) {
+    CPS_PDL_WAIT();
+    att_combine_row<8, ATT_FMT_F16>(ATT_COMBINE_ARGS);
 }
 
 // Dense workspace -> bf16 bit patterns (round to nearest even).

@@ -27,7 +27,8 @@ dense workspace is used as is when bfloat16, else rounded to bf16 once, in a
 pre-pass over the rows (``to_bf16``); the fp8_ds_mla cache is dequantized tile by
 tile inside the kernel (code * scale rounded to bf16, RoPE bf16 as stored). out
 is written float32, bfloat16 or float16 (``out_dtype``: rounded once from the
-float32 row, in the epilogue of the kernel's ``_out16`` twin or the split-KV merge's);
+float32 row, in the epilogue of the kernel's ``_out_bf16`` / ``_out_f16`` twin or the
+split-KV merge's);
 lse is float32.
 """
 
@@ -73,9 +74,12 @@ MIN_TILES_PER_SPLIT = 2
 # time goes").
 COMBINE_THREADS = 128           # ATT_COMBINE_THREADS
 COMBINE_FEW_ROWS_PER_SM = 4
-# The formats of q and out the kernels take (ATT_FMT_*): the kernel's int q_fmt /
-# out_fmt arguments.
+# The formats of q and out the kernels take (ATT_FMT_*): q's is the kernels' int q_fmt
+# argument; out's is a kernel's own (its name's suffix, OUT_SUFFIX): on a runtime out
+# format the compiler copied the row store once a format, and the fp8 kernel holding the
+# copies ran its tiles 5-7% slower (B=128, H100; docs/performance.md).
 FORMATS = {"float32": 0, "float16": 1, "bfloat16": 2}
+OUT_SUFFIX = {"float32": "", "float16": "_out_f16", "bfloat16": "_out_bf16"}
 
 raw_kernels.register_module(
     "attention", ["common.cuh", "hopper.cuh", "attention.cu"], capabilities=raw_kernels.exactly((9, 0)),
@@ -90,16 +94,16 @@ raw_kernels.register_module(
                  ATT_M1_SCALE_BYTES=cache_layout.MODEL1_SCALES + 1))
 
 # C parameter lists (raw_kernels.Kernel letters).
-# cps_sparse_mla_*: q, q_fmt, out_fmt, kv, indices, topk, num_slots, row_start, row_len
+# cps_sparse_mla_*: q, q_fmt, kv, indices, topk, num_slots, row_start, row_len
 # (the causal range's length, or with indices the per-token list length), out, lse, H,
 # d_v, scale_log2, splits, part_out (the partial rows, then the partial lse), sink
-ATTENTION_ARGS = "P ii P P ii PPPP ii f i PP"
-# cps_mla_combine: part_out, out, lse, sink, splits, d_v, H, out_fmt
-COMBINE_ARGS = "PPPP iiii"
-# cps_sparse_mla_model1: q, q_fmt, out_fmt, then per cache (main, extra) data, indices,
+ATTENTION_ARGS = "P i P P ii PPPP ii f i PP"
+# cps_mla_combine: part_out, out, lse, sink, splits, d_v, H
+COMBINE_ARGS = "PPPP iii"
+# cps_sparse_mla_model1: q, q_fmt, then per cache (main, extra) data, indices,
 # lengths, topk, block_size, page_stride, num_slots; then sink, out, lse, H, d_v,
 # scale_log2, splits, part_out
-MODEL1_ARGS = "P ii PPP ii q i PPP ii q i PPP ii f i P"
+MODEL1_ARGS = "P i PPP ii q i PPP ii q i PPP ii f i P"
 MODEL1_D_QK = 512
 TO_BF16_ARGS = "PP q"                            # x, y, n
 # cps_local_to_global_slots: indices, req_ids, block_table, num_reqs, max_blocks, topk,
@@ -107,10 +111,10 @@ TO_BF16_ARGS = "PP q"                            # x, y, n
 SLOTS_ARGS = "PPP iii q i P"
 
 
-def _kernel_name(base, out16):
-    """A kernel's name by the width of its out: ``base`` writes float32 rows,
-    ``base + "_out16"`` a 16-bit out (bf16 or f16: the out_fmt argument)."""
-    return base + "_out16" if out16 else base
+def _kernel_name(base, out_name):
+    """The kernel ``base`` of an out of dtype name ``out_name`` ("float32", "float16" or
+    "bfloat16"; see OUT_SUFFIX)."""
+    return base + OUT_SUFFIX[out_name]
 
 
 def supports(q_shape, d_v):
@@ -162,7 +166,7 @@ def choose_splits(units, tiles, sms):
 
 def combine_kernel_name(rows, sms):
     """The split-KV merge kernel for ``rows`` (token, head) rows on ``sms`` SMs (see
-    COMBINE_FEW_ROWS_PER_SM; a 16-bit out takes its ``_out16`` twin)."""
+    COMBINE_FEW_ROWS_PER_SM; a 16-bit out takes its twin, :func:`_kernel_name`)."""
     return "cps_mla_combine_few_rows" if rows <= COMBINE_FEW_ROWS_PER_SM * sms \
         else "cps_mla_combine"
 
@@ -170,13 +174,13 @@ def combine_kernel_name(rows, sms):
 _PLANS: dict[Any, Any] = {}
 
 
-def _plan(tokens, heads, topk, kind, dense, sm_scale, splits, out16=False):
+def _plan(tokens, heads, topk, kind, dense, sm_scale, splits, out_name="float32"):
     """(units, splits, attention kernel, combine kernel or None, log2-domain scale) of
     a launch shape on the current device, memoized (a function of the shapes only).
     ``kind``: "fp8", "bf16" or "model1"; ``topk``: the key tiles' worth of keys (both
-    lists of MODEL1, each padded to whole tiles); ``out16``: the kernels of a 16-bit out."""
+    lists of MODEL1, each padded to whole tiles); ``out_name``: the out's dtype name."""
     key = (raw_kernels.current_device(), tokens, heads, topk, kind, dense, sm_scale, splits,
-           out16)
+           out_name)
     plan = _PLANS.get(key)
     if plan is None:
         units = tokens * -(-heads // HEADS_PER_CTA)
@@ -188,11 +192,12 @@ def _plan(tokens, heads, topk, kind, dense, sm_scale, splits, out16=False):
                              f"got {splits}")
         combine = None if splits == 1 else raw_kernels.kernel(
             "attention", _kernel_name(combine_kernel_name(
-                tokens * heads, raw_kernels.device_facts().sms), out16), COMBINE_ARGS)
+                tokens * heads, raw_kernels.device_facts().sms), out_name), COMBINE_ARGS)
         # Split, the attention kernel writes float32 partials whatever out is (the merge
-        # writes out): the float32 kernel. An _out16 kernel has the 16-bit epilogue only.
+        # writes out): the float32 kernel. A 16-bit-out kernel has that epilogue only.
         fn = raw_kernels.kernel("attention",
-                                _kernel_name(f"cps_sparse_mla_{kind}", out16 and splits == 1),
+                                _kernel_name(f"cps_sparse_mla_{kind}",
+                                             out_name if splits == 1 else "float32"),
                                 MODEL1_ARGS if kind == "model1" else ATTENTION_ARGS,
                                 SMEM_BYTES)
         plan = (units, splits, fn, combine, float(numpy.float32(sm_scale * math.log2(math.e))))
@@ -220,10 +225,9 @@ def prepare(cp, tokens, heads, topk, fp8, dense, sm_scale, d_v, splits=None,
     known = _LAUNCHES.get(key)
     if known is not None:
         return known
-    out_fmt = FORMATS[out_dtype.name]
     units, splits, fn, combine, scale_log2 = _plan(tokens, heads, topk,
                                                    "fp8" if fp8 else "bf16", dense,
-                                                   sm_scale, splits, out_fmt != 0)
+                                                   sm_scale, splits, out_dtype.name)
     launch = fn.launcher((units * splits,), (DEC_THREADS if fp8 else WS_THREADS,),
                          SMEM_BYTES)
     merge = None if combine is None else combine.launcher((tokens * heads,), (COMBINE_THREADS,))
@@ -233,10 +237,10 @@ def prepare(cp, tokens, heads, topk, fp8, dense, sm_scale, d_v, splits=None,
         out = raw_kernels.empty(cp, out_shape, out_dtype)
         lse = raw_kernels.empty(cp, lse_shape, cp.float32)
         part = _partials(cp, tokens, heads, splits, d_v)
-        launch((q, q_fmt, out_fmt, kv, indices, topk, num_slots, row_start, row_len, out, lse,
+        launch((q, q_fmt, kv, indices, topk, num_slots, row_start, row_len, out, lse,
                 heads, d_v, scale_log2, splits, part, sink))
         if merge is not None:
-            merge((part, out, lse, sink, splits, d_v, heads, out_fmt))
+            merge((part, out, lse, sink, splits, d_v, heads))
         return out, lse
     if len(_LAUNCHES) > 1024:
         _LAUNCHES.clear()
@@ -310,7 +314,7 @@ def _partials(cp, tokens, heads, splits, d_v):
 def _combine(cp, combine, part, out, lse, sink, splits, d_v, heads):
     if combine is not None:
         combine((out.shape[0] * heads,), (COMBINE_THREADS,),
-                (part, out, lse, sink, splits, d_v, heads, FORMATS[out.dtype.name]))
+                (part, out, lse, sink, splits, d_v, heads))
 
 
 def supports_model1(q_shape, d_v):
@@ -366,16 +370,15 @@ def sparse_mla_attention_model1(cp, q, caches, sm_scale, d_v, attn_sink=None, sp
     tiles = sum(-(-entry[3] // 64) for entry in lists)      # entry[3]: the list's topk
     if tiles == 0:
         return _no_keys(cp, tokens, heads, d_v, out_dtype)
-    out_fmt = FORMATS[out_dtype.name]
     units, splits, fn, combine, scale_log2 = _plan(tokens, heads, 64 * tiles, "model1", False,
-                                                   sm_scale, splits, out_fmt != 0)
+                                                   sm_scale, splits, out_dtype.name)
     qq, q_fmt = _q_operand(cp, q)
     out = raw_kernels.empty(cp, (tokens, heads, d_v), out_dtype)
     lse = raw_kernels.empty(cp, (tokens, heads), cp.float32)
     part = _partials(cp, tokens, heads, splits, d_v)
     (ka, ia, la, topk_a, bs_a, st_a, n_a), (kb, ib, lb, topk_b, bs_b, st_b, n_b) = lists
     fn((units * splits,), (WS_THREADS,),
-       (qq, q_fmt, out_fmt, ka, ia, la, topk_a, bs_a, st_a, n_a, kb, ib, lb, topk_b, bs_b, st_b, n_b,
+       (qq, q_fmt, ka, ia, la, topk_a, bs_a, st_a, n_a, kb, ib, lb, topk_b, bs_b, st_b, n_b,
         attn_sink, out, lse, heads, d_v, scale_log2, splits, part), shared_mem=SMEM_BYTES)
     _combine(cp, combine, part, out, lse, attn_sink, splits, d_v, heads)
     return out, lse
