@@ -332,8 +332,9 @@ def test_ws_decode_launch_arguments_on_both_paths(monkeypatch):
     """The warp-specialized decode launch of the checked path (_paged_ws) and the call
     memo's prepared one (call_launch) pass the kernel the same arguments in
     PAGED_WS_ARGS order: one CTA an SM (at most one a stage of the batch: ws_grid), the
-    batch and the item cap in stages from the plan (CPU: the kernel and the device faked;
-    the prepared launch declines an operand off 16 bytes)."""
+    batch and the item cap in stages from the plan, the pages' L2 policy from their bytes
+    against the L2 (CPU: the kernel and the device faked; the prepared launch declines an
+    operand off 16 bytes)."""
     import numpy as np
     from cpsparse.raw_kernels import indexer as kin
 
@@ -353,6 +354,7 @@ def test_ws_decode_launch_arguments_on_both_paths(monkeypatch):
 
     class Facts:
         sms = 3                                  # fewer SMs than the batch's 2 x 2 stages
+        l2_bytes = 200_000                       # 2 x 500 keys of 132 bytes: past its half
 
     class CP:
         uint8, int32, float32 = np.dtype(np.uint8), np.dtype(np.int32), np.dtype(np.float32)
@@ -374,17 +376,18 @@ def test_ws_decode_launch_arguments_on_both_paths(monkeypatch):
     got = run(q, cache.data, w, ctx, table)
     assert dev == 0 and got.shape == (4, 500) and got.data.ptr == 0x9000
     want = ((3,), (kin.WS_THREADS,), kin.WSD_SMEM[False],
-            (q, cache.data, w, ctx, 1, table, 9, 40, out, 500, 64, 2, 8, 1))
+            (q, cache.data, w, ctx, 1, table, 9, 40, out, 500, 64, 2, 8, 1, 1))
     assert launches[0] == want
     assert launches[1] == want[:3] + (want[3][:8] + (got,) + want[3][9:],)
     assert run(Arr(q.shape, np.uint8, 0x1001), cache.data, w, ctx, table) is None
     assert len(launches) == 2
-    # clean_logits=False: the last argument 0 on both paths
+    # clean_logits=False: clean 0 on both paths; an L2 twice the pages: l2_stream 0
+    Facts.l2_bytes = 2 * 2 * 500 * 132
     kin._paged_ws(CP, q, cache, w, ctx, table, 500, out, fn, plan[5], clean_logits=False)
     _, run = kin.call_launch(CP, q, cache, ctx, table, 500, clean_logits=False)
     got = run(q, cache.data, w, ctx, table)
-    assert launches[2] == want[:3] + (want[3][:-1] + (0,),)
-    assert launches[3] == want[:3] + (want[3][:8] + (got,) + want[3][9:-1] + (0,),)
+    assert launches[2] == want[:3] + (want[3][:-2] + (0, 0),)
+    assert launches[3] == want[:3] + (want[3][:8] + (got,) + want[3][9:-2] + (0, 0),)
 
 
 def test_attention_launch_arguments_on_both_paths(monkeypatch):

@@ -193,3 +193,22 @@ def test_mxfp4_decode_only_on_wgmma_over_pages_of_64_or_more(fake_device, block_
     assert got_path == path and (plan is not None) == planned and (fn is not None) == planned
     if planned:
         assert fn.name.startswith("cps_paged_mqa_logits_fp4_wgmma_"), fn.name
+
+
+@pytest.mark.parametrize("batch, width, fp4, stream", [
+    (1, 32768, False, False),      # 4.3 MB of pages: a replayed call finds them in L2
+    (8, 32768, False, True),       # 34.6 MB: past half the 50 MB L2
+    (64, 32768, False, True),
+    (256, 4096, False, True),
+    (4, 131072, False, True),
+    (4, 131072, True, True),       # MXFP4, 68 bytes a key: 35.7 MB
+    (8, 32768, True, False),       # 17.8 MB
+    (4, 32768, True, False),       # 8.9 MB
+])
+def test_decode_pages_stream_past_half_the_l2(batch, width, fp4, stream):
+    """The ws decode kernels copy the pages evict-first (l2_stream) exactly when the batch's
+    pages (fp8 132 bytes a key, MXFP4 68) exceed half the L2."""
+    assert kin.l2_streams(batch, width, fp4, 50 << 20) is stream
+    pages = batch * width * (68 if fp4 else 132)
+    assert kin.l2_streams(batch, width, fp4, 2 * pages) is False
+    assert kin.l2_streams(batch, width, fp4, 2 * pages - 1) is True

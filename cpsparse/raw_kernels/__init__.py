@@ -430,6 +430,7 @@ class DeviceFacts(NamedTuple):
     sms: int
     smem_per_sm: int          # bytes of shared memory per multiprocessor
     smem_per_block: int       # opt-in maximum of dynamic shared memory per block
+    l2_bytes: int = 50 << 20  # bytes of L2 (the H100's and H200's 50 MB by default)
 
 
 _DEVICES: dict[int, DeviceFacts] = {}  # device id -> DeviceFacts
@@ -451,7 +452,8 @@ def device_facts():
         props = cp.cuda.runtime.getDeviceProperties(dev)
         facts = _DEVICES[dev] = DeviceFacts(
             dev, (int(props["major"]), int(props["minor"])), int(props["multiProcessorCount"]),
-            int(props["sharedMemPerMultiprocessor"]), int(props["sharedMemPerBlockOptin"]))
+            int(props["sharedMemPerMultiprocessor"]), int(props["sharedMemPerBlockOptin"]),
+            int(props["l2CacheSize"]))
     return facts
 
 

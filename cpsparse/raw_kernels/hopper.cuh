@@ -17,6 +17,23 @@ __device__ __forceinline__ void cps_cp_async16(u32 dst, const void* src, bool va
                  :: "r"(dst), "l"(src), "r"(n) : "memory");
 }
 
+// An L2 policy for cp.async: evict-first (bytes read once, streamed past L2: they leave it
+// before what is read again) or evict-normal (the default's).
+__device__ __forceinline__ u64 cps_l2_policy(bool evict_first) {
+    u64 first, normal;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(first));
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(normal));
+    return evict_first ? first : normal;
+}
+
+// cps_cp_async16 under an L2 policy (cps_l2_policy).
+__device__ __forceinline__ void cps_cp_async16_l2(u32 dst, const void* src, bool valid,
+                                                  u64 policy) {
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
+                 :: "r"(dst), "l"(src), "r"(n), "l"(policy) : "memory");
+}
+
 __device__ __forceinline__ void cps_cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

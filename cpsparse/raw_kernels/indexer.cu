@@ -1444,7 +1444,7 @@ __device__ __forceinline__ void cps_paged_ws_body(
         const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w,
         const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,
         int num_blocks, float* __restrict__ out, int width, int H, int batch,
-        int piece_stages, int clean) {
+        int piece_stages, int clean, int l2_stream) {
     constexpr int HPC = 64, NC = NN * HPC;
     // A page: 64 keys' codes (fp8: 128 bytes a key; MXFP4: 64 bytes of packed e2m1), then
     // their 4-byte scales (a float32; MXFP4: 4 ue8m0 bytes, one a group of 32).
@@ -1471,6 +1471,9 @@ __device__ __forceinline__ void cps_paged_ws_body(
         // ---- producer warpgroup ----
         cps_setmaxnreg_dec<CPS_IDX_WSD_PREGS>();
         const int ptid = tid - CPS_IDX_WS_MATH_THREADS;
+        // The pages' L2 policy (the launcher's l2_stream: the batch's pages outsize L2, each
+        // read once): evict-first keeps the queries, weights, page table and logits there.
+        const u64 page_policy = cps_l2_policy(l2_stream != 0);
         unsigned long long* share = reinterpret_cast<unsigned long long*>(s_bt);
         const int U = (width + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;
         // A batch of up to 256 requests: thread ptid loads its requests' lengths for
@@ -1646,7 +1649,8 @@ __device__ __forceinline__ void cps_paged_ws_body(
                     const u8* src = code_src + (size_t)(u32)(valid ? pg[pq] : 0) * PAGE_BYTES;
 #pragma unroll
                     for (int k = 0; k < PER_PAGE; ++k)
-                        cps_cp_async16(kdst + (PER_PAGE * pq + k) * 2048, src + k * 2048, valid);
+                        cps_cp_async16_l2(kdst + (PER_PAGE * pq + k) * 2048, src + k * 2048,
+                                          valid, page_policy);
                 }
                 const u32 sdst = sbase + L::OFF_KS + st * (CPS_IDX_WS_KEYS * 4) + ptid * 4;
 #pragma unroll
@@ -1796,10 +1800,10 @@ __device__ __forceinline__ void cps_paged_ws_body(
     NAME(const u8* __restrict__ q, const u8* __restrict__ cache, const float* __restrict__ w, \
          const int* __restrict__ lens, int lens_2d, const int* __restrict__ bt, int bt_cols,  \
          int num_blocks, float* __restrict__ out, int width, int H, int batch,                \
-         int piece_stages, int clean) {                                                       \
+         int piece_stages, int clean, int l2_stream) {                                        \
         CPS_PDL_ENTRY();                                                                      \
         cps_paged_ws_body<NN, FP4, S>(q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks,    \
-                                      out, width, H, batch, piece_stages, clean);             \
+                                      out, width, H, batch, piece_stages, clean, l2_stream);  \
     }
 CPS_PAGED_WS_KERNEL(cps_paged_mqa_logits_ws_h64n1, 1, false, CPS_IDX_WS_STAGES)
 CPS_PAGED_WS_KERNEL(cps_paged_mqa_logits_ws_h64n2, 2, false, CPS_IDX_WS_STAGES)

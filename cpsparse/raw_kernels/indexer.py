@@ -22,6 +22,7 @@ import numpy
 
 from cpsparse import raw_kernels
 from cpsparse.raw_kernels import index_i32
+from cpsparse.reference import cache as cache_layout
 
 # Constants of indexer.cu, owned here and emitted into the source as #defines.
 D = 128                  # head_dim the kernels are written for        (CPS_IDX_D)
@@ -122,8 +123,15 @@ MQA_ARGS = "PPPPPPP iiiii"
 # next_n, H, hp, nch, bs_shift, piece_tiles
 PAGED_ARGS = "PPPP i P ii P iiiiiii"
 # cps_paged_mqa_logits_[fp4_]ws_h64n*: q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out,
-# width, H, batch, piece_stages, clean
-PAGED_WS_ARGS = "PPPP i P ii P iiiii"
+# width, H, batch, piece_stages, clean, l2_stream
+PAGED_WS_ARGS = "PPPP i P ii P iiiiii"
+# The warp-specialized decode kernels copy the pages under an L2 evict-first policy
+# (l2_stream) when a batch's pages (batch x width keys, an upper bound) exceed this part of
+# the L2: each page is read once, and the policy keeps the queries, weights, page table and
+# logits in L2 instead. On an H100 (bench_peers, two rounds) it took the indexer_decode rows
+# of 36-277 MB of pages 0.5-2.5% faster (B=64 x 32K 101.6 -> 99.5 us; MXFP4 B=4 x 128K, 36
+# MB, 22.1 -> 21.8) and B=1 x 32K (4 MB, which a replayed call finds in L2) 3-4% slower.
+L2_STREAM_FRACTION = 0.5
 
 PATHS = ("wgmma", "mma")
 # "wgmma" or "mma"; CPSPARSE_INDEXER_PATH overrides (wgmma needs compute capability 9.0).
@@ -460,7 +468,9 @@ def _ws_launch(cp, fn, batch, next_n, heads, width, fp4, piece_stages, lens_2d, 
     that follows from the shapes fixed (int32 index arrays; ``out`` None: allocated), items
     of at most ``piece_stages`` stages. :func:`ws_grid` CTAs, or ``ctas``.
     ``clean_logits`` False: positions past every row's window end are left unwritten."""
-    grid = ws_grid(batch, width, raw_kernels.device_facts().sms) if ctas is None else int(ctas)
+    facts = raw_kernels.device_facts()
+    grid = ws_grid(batch, width, facts.sms) if ctas is None else int(ctas)
+    stream = int(l2_streams(batch, width, fp4, facts.l2_bytes))
     launch = fn.launcher((grid,), (WS_THREADS,), WSD_SMEM[fp4])
     shape = (batch * next_n, width)
 
@@ -468,9 +478,17 @@ def _ws_launch(cp, fn, batch, next_n, heads, width, fp4, piece_stages, lens_2d, 
         if out is None:
             out = raw_kernels.empty(cp, shape, cp.float32)
         launch((q_codes, cache_data, weights, context_lens, lens_2d, block_table, cols,
-                num_blocks, out, width, heads, batch, piece_stages, int(clean_logits)))
+                num_blocks, out, width, heads, batch, piece_stages, int(clean_logits), stream))
         return out
     return run
+
+
+def l2_streams(batch, width, fp4, l2_bytes):
+    """True when a decode launch's pages (``batch`` requests of up to ``width`` keys, fp8
+    or MXFP4 ``fp4``) exceed L2_STREAM_FRACTION of an L2 of ``l2_bytes``: the
+    warp-specialized kernels then copy them under an L2 evict-first policy."""
+    code, scale = cache_layout.indexer_layout(D, "mxfp4" if fp4 else "fp8")
+    return int(batch) * int(width) * (code + scale) > L2_STREAM_FRACTION * int(l2_bytes)
 
 
 def call_launch(cp, q_codes, cache, context_lens, block_table, width, clean_logits=True):
