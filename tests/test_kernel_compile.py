@@ -18,6 +18,7 @@ import pytest
 
 from benchmarks import profile_attention, profile_indexer
 from cpsparse import raw_kernels
+from cpsparse.raw_kernels import attention
 
 _SPEC = importlib.util.spec_from_file_location(
     "sass_diff", pathlib.Path(__file__).resolve().parent.parent / "tools" / "sass_diff.py")
@@ -251,9 +252,10 @@ def test_indexer_trace_compiles_like_the_kernel():
 
 
 @pytest.mark.parametrize("module,kernel,define", [
-    ("attention", "cps_sparse_mla_fp8", "ATT_DEC_LAUNCH_REGS"),
-    ("attention", "cps_sparse_mla_model1", "ATT_LAUNCH_REGS"),
-    ("attention", "cps_sparse_mla_bf16", "ATT_LAUNCH_REGS"),
+    *[("attention", f"cps_sparse_mla_{kind}{out}", define)
+      for out in attention.OUT_SUFFIX.values()
+      for kind, define in (("fp8", "ATT_DEC_LAUNCH_REGS"), ("model1", "ATT_LAUNCH_REGS"),
+                           ("bf16", "ATT_LAUNCH_REGS"))],
     ("indexer", "cps_mqa_logits_ws", "CPS_IDX_WS_LAUNCH_REGS"),
     ("indexer", "cps_mqa_logits_ws_h64", "CPS_IDX_WS_LAUNCH_REGS"),
     ("indexer", "cps_paged_mqa_logits_ws_h64n1", "CPS_IDX_WS_LAUNCH_REGS"),

@@ -381,13 +381,26 @@ def test_ws_decode_launch_arguments_on_both_paths(monkeypatch):
     assert launches[1] == want[:3] + (want[3][:8] + (got,) + want[3][9:],)
     assert run(Arr(q.shape, np.uint8, 0x1001), cache.data, w, ctx, table) is None
     assert len(launches) == 2
-    # clean_logits=False: clean 0 on both paths; an L2 twice the pages: l2_stream 0
-    Facts.l2_bytes = 2 * 2 * 500 * 132
+    # clean_logits=False: clean 0 on both paths, l2_stream still 1 (each flag its own
+    # argument, in its own place)
     kin._paged_ws(CP, q, cache, w, ctx, table, 500, out, fn, plan[5], clean_logits=False)
     _, run = kin.call_launch(CP, q, cache, ctx, table, 500, clean_logits=False)
     got = run(q, cache.data, w, ctx, table)
-    assert launches[2] == want[:3] + (want[3][:-2] + (0, 0),)
-    assert launches[3] == want[:3] + (want[3][:8] + (got,) + want[3][9:-2] + (0, 0),)
+    assert launches[2] == want[:3] + (want[3][:-2] + (0, 1),)
+    assert launches[3] == want[:3] + (want[3][:8] + (got,) + want[3][9:-2] + (0, 1),)
+    # an L2 twice the pages: l2_stream 0, clean 1
+    Facts.l2_bytes = 2 * 2 * 500 * 132
+    kin._paged_ws(CP, q, cache, w, ctx, table, 500, out, fn, plan[5])
+    _, run = kin.call_launch(CP, q, cache, ctx, table, 500)
+    got = run(q, cache.data, w, ctx, table)
+    assert launches[4] == want[:3] + (want[3][:-1] + (0,),)
+    assert launches[5] == want[:3] + (want[3][:8] + (got,) + want[3][9:-1] + (0,),)
+    # the cache's 40 pages of 64 keys bound the bytes (a padded width reads no more):
+    # 2 x 50000 keys over an L2 of 2 x 40 x 64 x 132 bytes stay evict-normal
+    Facts.l2_bytes = 2 * 40 * 64 * 132
+    kin._paged_ws(CP, q, cache, w, ctx, table, 50000, Arr((4, 50000), np.float32), fn,
+                  plan[5])
+    assert launches[6][3][-1] == 0 and launches[6][3][9] == 50000
 
 
 def test_attention_launch_arguments_on_both_paths(monkeypatch):

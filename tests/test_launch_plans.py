@@ -212,3 +212,6 @@ def test_decode_pages_stream_past_half_the_l2(batch, width, fp4, stream):
     pages = batch * width * (68 if fp4 else 132)
     assert kin.l2_streams(batch, width, fp4, 2 * pages) is False
     assert kin.l2_streams(batch, width, fp4, 2 * pages - 1) is True
+    # a cache of fewer keys than batch x width bounds the bytes read
+    assert kin.l2_streams(batch, width, fp4, 2 * pages - 1, batch * width - 1) is False
+    assert kin.l2_streams(batch, width, fp4, 2 * pages - 1, batch * width) is True

@@ -94,8 +94,8 @@ __device__ __forceinline__ u32 att_pack_bf16(float lo, float hi) {
 // Two floats -> the packed 16-bit pair of an out of format OUT (ATT_FMT_BF16 or
 // ATT_FMT_F16; lo in the low half), round to nearest even. The format is a template
 // argument, not a kernel argument: on a runtime format the compiler copied the row
-// store once a format, and the fp8 kernel holding both copies ran its tiles 5-7%
-// slower than the float32 one (B=128, H100); with one format it matches it.
+// store once a format, and the fp8 kernel holding both copies ran 5-7% slower than the
+// float32 one (B=128, H100); with one format it matches it.
 template <int OUT>
 __device__ __forceinline__ u32 att_pack_out16(float lo, float hi) {
     static_assert(OUT == ATT_FMT_BF16 || OUT == ATT_FMT_F16, "a 16-bit out format");

@@ -77,7 +77,7 @@ COMBINE_FEW_ROWS_PER_SM = 4
 # The formats of q and out the kernels take (ATT_FMT_*): q's is the kernels' int q_fmt
 # argument; out's is a kernel's own (its name's suffix, OUT_SUFFIX): on a runtime out
 # format the compiler copied the row store once a format, and the fp8 kernel holding the
-# copies ran its tiles 5-7% slower (B=128, H100; docs/performance.md).
+# copies ran 5-7% slower (B=128, H100; docs/performance.md).
 FORMATS = {"float32": 0, "float16": 1, "bfloat16": 2}
 OUT_SUFFIX = {"float32": "", "float16": "_out_f16", "bfloat16": "_out_bf16"}
 
@@ -194,7 +194,8 @@ def _plan(tokens, heads, topk, kind, dense, sm_scale, splits, out_name="float32"
             "attention", _kernel_name(combine_kernel_name(
                 tokens * heads, raw_kernels.device_facts().sms), out_name), COMBINE_ARGS)
         # Split, the attention kernel writes float32 partials whatever out is (the merge
-        # writes out): the float32 kernel. A 16-bit-out kernel has that epilogue only.
+        # writes out): the float32 kernel. A 16-bit-out kernel has its own 16-bit
+        # epilogue only (attention.cu att_write_rows: it must run unsplit).
         fn = raw_kernels.kernel("attention",
                                 _kernel_name(f"cps_sparse_mla_{kind}",
                                              out_name if splits == 1 else "float32"),

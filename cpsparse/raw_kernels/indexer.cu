@@ -1471,8 +1471,9 @@ __device__ __forceinline__ void cps_paged_ws_body(
         // ---- producer warpgroup ----
         cps_setmaxnreg_dec<CPS_IDX_WSD_PREGS>();
         const int ptid = tid - CPS_IDX_WS_MATH_THREADS;
-        // The pages' L2 policy (the launcher's l2_stream: the batch's pages outsize L2, each
-        // read once): evict-first keeps the queries, weights, page table and logits there.
+        // The pages' L2 policy (the launcher's l2_stream: the batch's pages exceed half the
+        // L2, each read once): evict-first keeps the queries, weights, page table and
+        // logits there.
         const u64 page_policy = cps_l2_policy(l2_stream != 0);
         unsigned long long* share = reinterpret_cast<unsigned long long*>(s_bt);
         const int U = (width + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;

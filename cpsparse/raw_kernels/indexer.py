@@ -126,11 +126,12 @@ PAGED_ARGS = "PPPP i P ii P iiiiiii"
 # width, H, batch, piece_stages, clean, l2_stream
 PAGED_WS_ARGS = "PPPP i P ii P iiiiii"
 # The warp-specialized decode kernels copy the pages under an L2 evict-first policy
-# (l2_stream) when a batch's pages (batch x width keys, an upper bound) exceed this part of
-# the L2: each page is read once, and the policy keeps the queries, weights, page table and
-# logits in L2 instead. On an H100 (bench_peers, two rounds) it took the indexer_decode rows
-# of 36-277 MB of pages 0.5-2.5% faster (B=64 x 32K 101.6 -> 99.5 us; MXFP4 B=4 x 128K, 36
-# MB, 22.1 -> 21.8) and B=1 x 32K (4 MB, which a replayed call finds in L2) 3-4% slower.
+# (l2_stream) when a batch's pages (batch x width keys, at most the cache's: an upper
+# bound) exceed this part of the L2: each page is read once, and the policy keeps the
+# queries, weights, page table and logits in L2 instead. On an H100 (bench_peers, two
+# rounds) it took the indexer_decode rows of 36-553 MB of pages 0.5-2.5% faster (B=64 x
+# 32K 101.6 -> 99.6 us; MXFP4 B=4 x 128K, 36 MB, 22.1 -> 21.8; MXFP4 next_n 2, issue
+# bound, unchanged) and B=1 x 32K (4 MB, which a replayed call finds in L2) 3-4% slower.
 L2_STREAM_FRACTION = 0.5
 
 PATHS = ("wgmma", "mma")
@@ -470,7 +471,7 @@ def _ws_launch(cp, fn, batch, next_n, heads, width, fp4, piece_stages, lens_2d, 
     ``clean_logits`` False: positions past every row's window end are left unwritten."""
     facts = raw_kernels.device_facts()
     grid = ws_grid(batch, width, facts.sms) if ctas is None else int(ctas)
-    stream = int(l2_streams(batch, width, fp4, facts.l2_bytes))
+    stream = int(l2_streams(batch, width, fp4, facts.l2_bytes, num_blocks * TILE))
     launch = fn.launcher((grid,), (WS_THREADS,), WSD_SMEM[fp4])
     shape = (batch * next_n, width)
 
@@ -483,12 +484,17 @@ def _ws_launch(cp, fn, batch, next_n, heads, width, fp4, piece_stages, lens_2d, 
     return run
 
 
-def l2_streams(batch, width, fp4, l2_bytes):
+def l2_streams(batch, width, fp4, l2_bytes, cache_keys=None):
     """True when a decode launch's pages (``batch`` requests of up to ``width`` keys, fp8
-    or MXFP4 ``fp4``) exceed L2_STREAM_FRACTION of an L2 of ``l2_bytes``: the
-    warp-specialized kernels then copy them under an L2 evict-first policy."""
+    or MXFP4 ``fp4``; at most the ``cache_keys`` keys of the cache, when given: a padded
+    width over a small cache, or requests sharing pages, read no more) exceed
+    L2_STREAM_FRACTION of an L2 of ``l2_bytes``: the warp-specialized kernels then copy
+    them under an L2 evict-first policy."""
     code, scale = cache_layout.indexer_layout(D, "mxfp4" if fp4 else "fp8")
-    return int(batch) * int(width) * (code + scale) > L2_STREAM_FRACTION * int(l2_bytes)
+    keys = int(batch) * int(width)
+    if cache_keys is not None:
+        keys = min(keys, int(cache_keys))
+    return keys * (code + scale) > L2_STREAM_FRACTION * int(l2_bytes)
 
 
 def call_launch(cp, q_codes, cache, context_lens, block_table, width, clean_logits=True):
