@@ -52,7 +52,9 @@ CTA of one call at B=128 (s_q 1 and 2), the global timer (ns) when it starts, wh
 is in shared memory, when its first tile is ready (FULL), when its last P V ends and when
 its rows are written, and its SM: a CTA's fixed costs (Q load, epilogue) beside its tiles,
 and the gap between one CTA and the next on an SM (:func:`timeline_summary`;
-``$OUT/profile_attention_timeline.json``).
+``$OUT/profile_attention_timeline.json``). ``timeline bfloat16`` (or ``float16``) records
+the same for a 16-bit ``out`` (the ``_out_bf16`` / ``_out_f16`` kernel; file
+``profile_attention_timeline_bfloat16.json``).
 
 A variant must not remove more than it says: a write of the rows under a runtime guard
 (``if (d_v == -1)``) let ptxas drop 21 of the fp8 kernel's 60 wgmma (O of one warpgroup
@@ -211,6 +213,12 @@ TIMELINE_CTAS = 1024
 TIMELINE_EVENTS = ("start", "q_loaded", "first_full", "tiles_done", "rows_written")
 _TL_START = ("extern \"C\" __global__ void __launch_bounds__(ATT_DEC_THREADS, 1) "
              "cps_sparse_mla_fp8(ATT_PARAMS) {\n    CPS_PDL_WAIT();\n")
+# (the 16-bit-out twins' entries: "\ncps_sparse_mla_fp8_out_bf16(ATT_PARAMS) {...")
+_TL_START_16 = ["\ncps_sparse_mla_fp8%s(ATT_PARAMS) {\n    CPS_PDL_WAIT();\n" % suffix
+                for suffix in ("_out_bf16", "_out_f16")]
+_TL_ENTRY = ("    if (threadIdx.x == 0) {\n        att_timeline_at(0);\n        unsigned sm;\n"
+             "        asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm));\n"
+             f"        if (blockIdx.x < {TIMELINE_CTAS}) att_timeline[blockIdx.x][5] = sm;\n    }}\n")
 TIMELINE = [
     ("#define ATT_LN2 0.693147180559945309f\n",
      "#define ATT_LN2 0.693147180559945309f\n"
@@ -220,10 +228,8 @@ TIMELINE = [
      "    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t));\n"
      f"    if (blockIdx.x < {TIMELINE_CTAS}) att_timeline[blockIdx.x][ev] = t;\n"
      "}\n"),
-    (_TL_START, _TL_START
-     + "    if (threadIdx.x == 0) {\n        att_timeline_at(0);\n        unsigned sm;\n"
-     "        asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(sm));\n"
-     f"        if (blockIdx.x < {TIMELINE_CTAS}) att_timeline[blockIdx.x][5] = sm;\n    }}\n"),
+    (_TL_START, _TL_START + _TL_ENTRY),
+    *[(entry, entry + _TL_ENTRY) for entry in _TL_START_16],
     ("    att_math_start<D>(q, q_fmt, w, H, sq, tid);\n    att_rows_init(st);\n"
      "    st.m0 = st.m1 = ATT_PP_MAX_INIT;\n",
      "    att_math_start<D>(q, q_fmt, w, H, sq, tid);\n    if (tid == 0) att_timeline_at(1);\n"
@@ -263,15 +269,16 @@ def timeline_summary(stamps):
             "next_cta_gap_us": med(gaps), "span_us": float((t[:, 4].max() - t[:, 0].min()) / 1e3)}
 
 
-def timeline(cp, cpsparse, katt, raw_kernels, base):
-    """Record the timeline of one call a TIMELINE_SHAPES shape and summarize it."""
+def timeline(cp, cpsparse, katt, raw_kernels, base, out_dtype="float32"):
+    """Record the timeline of one call a TIMELINE_SHAPES shape (``out_dtype``: the out's,
+    float32 or a 16-bit one) and summarize it."""
     out = {}
     src = variant_source(base, "timeline")
     for b, sq, h in TIMELINE_SHAPES:
         key = f"B{b}_sq{sq}_H{h}"
         out[key] = timeline_summary(_stamped_call(cp, cpsparse, katt, raw_kernels, src,
                                                   (b, sq, h), "att_timeline",
-                                                  (TIMELINE_CTAS, 6)))
+                                                  (TIMELINE_CTAS, 6), out_dtype))
         print(f"timeline {key}: " + ", ".join(
             f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in out[key].items()),
             flush=True)
@@ -320,23 +327,28 @@ def attention_source(src):
     return harness.module_source_override("attention", src, katt._PLANS, katt._LAUNCHES)
 
 
-def _stamped_call(cp, cpsparse, katt, raw_kernels, src, shape, buffer, dims):
+def _stamped_call(cp, cpsparse, katt, raw_kernels, src, shape, buffer, dims,
+                  out_dtype="float32"):
     """The host copy of the stamp buffer ``buffer`` (int64 ``dims``, zeroed first) of
     one sparse decode call of ``shape`` (B, s_q, H) compiled from ``src``, after warm-up
-    calls (the compile, then the steady state)."""
+    calls (the compile, then the steady state); ``out_dtype``: the out's dtype name."""
     from benchmarks.bench_peers import mla_decode_inputs
+    from cpsparse import _validation
+    out_dt = _validation.check_out_dtype(cp, out_dtype)
     b, sq, h = shape
     cache, sets = mla_decode_inputs(cp, cpsparse, b, sq, h, CTX, TOPK)
     with attention_source(src):
         q, slots = sets[0]
         scale = cpsparse.softmax_scale(128, 64)
         for _ in range(3):
-            katt.sparse_mla_attention(cp, q, cache.records(), slots, scale, 512, True)
+            katt.sparse_mla_attention(cp, q, cache.records(), slots, scale, 512, True,
+                                      out_dtype=out_dt)
         cp.cuda.Device().synchronize()
         stamps = cp.ndarray(dims, cp.int64,
                             raw_kernels.get_module("attention").get_global(buffer))
         stamps.fill(0)
-        katt.sparse_mla_attention(cp, q, cache.records(), slots, scale, 512, True)
+        katt.sparse_mla_attention(cp, q, cache.records(), slots, scale, 512, True,
+                                  out_dtype=out_dt)
         cp.cuda.Device().synchronize()
         got = stamps.get()
     del cache, sets
@@ -427,8 +439,10 @@ def main(names=None):
                                else (prefill, PREFILL_VARIANTS, "graph_ms"))
         return _save(f"_{names[0]}", unit,
                      run(cp, cpsparse, katt, timing, base, names[1:] or list(variants)))
-    if names == ["timeline"]:
-        return _save("_timeline", "us", timeline(cp, cpsparse, katt, raw_kernels, base))
+    if names[0] == "timeline" and len(names) <= 2:
+        out_dtype = names[1] if len(names) == 2 else "float32"
+        return _save("_timeline" + ("" if out_dtype == "float32" else "_" + out_dtype), "us",
+                     timeline(cp, cpsparse, katt, raw_kernels, base, out_dtype))
     if names == ["trace"]:
         return _save("_trace", "cycles", trace(cp, cpsparse, katt, raw_kernels, base))
     scale = cpsparse.softmax_scale(128, 64)

@@ -56,10 +56,16 @@ def test_trace_summary_reads_each_side_and_wait():
 def test_timeline_substitutions_apply_once_each():
     base = raw_kernels.module_source("attention")
     src = P.variant_source(base, "timeline")
-    assert src.count("att_timeline_at(") == 1 + len(P.TIMELINE_EVENTS)  # definition + stamps
+    # the definition, the stamps of the body, and the start stamp of the fp8 kernel and
+    # of its two 16-bit-out twins (timeline bfloat16 / float16)
+    assert src.count("att_timeline_at(") == 1 + len(P.TIMELINE_EVENTS) + 2
     for event in range(len(P.TIMELINE_EVENTS)):
         assert f"att_timeline_at({event})" in src
-    assert "att_timeline[blockIdx.x][5] = sm;" in src
+    assert src.count("att_timeline[blockIdx.x][5] = sm;") == 3
+    for name in ("cps_sparse_mla_fp8", "cps_sparse_mla_fp8_out_bf16",
+                 "cps_sparse_mla_fp8_out_f16"):
+        entry = src[src.index(name + "(ATT_PARAMS) {"):]
+        assert entry.index("att_timeline_at(0)") < entry.index("att_fp8_kernel<"), name
 
 
 def test_timeline_summary_phases_and_gaps():
