@@ -208,10 +208,11 @@ def test_mxfp4_decode_only_on_wgmma_over_pages_of_64_or_more(fake_device, block_
 def test_decode_pages_stream_past_half_the_l2(batch, width, fp4, stream):
     """The ws decode kernels copy the pages evict-first (l2_stream) exactly when the batch's
     pages (fp8 132 bytes a key, MXFP4 68) exceed half the L2."""
-    assert kin.l2_streams(batch, width, fp4, 50 << 20) is stream
+    keys = batch * width                   # a cache of as many keys as the batch reads
+    assert kin.l2_streams(batch, width, fp4, 50 << 20, keys) is stream
     pages = batch * width * (68 if fp4 else 132)
-    assert kin.l2_streams(batch, width, fp4, 2 * pages) is False
-    assert kin.l2_streams(batch, width, fp4, 2 * pages - 1) is True
+    assert kin.l2_streams(batch, width, fp4, 2 * pages, keys) is False
+    assert kin.l2_streams(batch, width, fp4, 2 * pages - 1, keys) is True
     # a cache of fewer keys than batch x width bounds the bytes read
     assert kin.l2_streams(batch, width, fp4, 2 * pages - 1, batch * width - 1) is False
     assert kin.l2_streams(batch, width, fp4, 2 * pages - 1, batch * width) is True

@@ -484,16 +484,14 @@ def _ws_launch(cp, fn, batch, next_n, heads, width, fp4, piece_stages, lens_2d, 
     return run
 
 
-def l2_streams(batch, width, fp4, l2_bytes, cache_keys=None):
+def l2_streams(batch, width, fp4, l2_bytes, cache_keys):
     """True when a decode launch's pages (``batch`` requests of up to ``width`` keys, fp8
-    or MXFP4 ``fp4``; at most the ``cache_keys`` keys of the cache, when given: a padded
-    width over a small cache, or requests sharing pages, read no more) exceed
-    L2_STREAM_FRACTION of an L2 of ``l2_bytes``: the warp-specialized kernels then copy
-    them under an L2 evict-first policy."""
+    or MXFP4 ``fp4``, at most the ``cache_keys`` keys of the cache: a padded width over a
+    small cache, or requests sharing pages, read no more) exceed L2_STREAM_FRACTION of an
+    L2 of ``l2_bytes``: the warp-specialized kernels then copy them under an L2
+    evict-first policy."""
     code, scale = cache_layout.indexer_layout(D, "mxfp4" if fp4 else "fp8")
-    keys = int(batch) * int(width)
-    if cache_keys is not None:
-        keys = min(keys, int(cache_keys))
+    keys = min(int(batch) * int(width), int(cache_keys))
     return keys * (code + scale) > L2_STREAM_FRACTION * int(l2_bytes)
 
 
