@@ -100,6 +100,27 @@ class AttentionFp8(Case):
         return close(_np(got[0]), want[0], 2e-2) and close(_np(got[1]), want[1], 2e-2)
 
 
+class AttentionFp8Heads128(AttentionFp8):
+    """128 heads (two head groups: the second CTA of a token reads the same slots), whole
+    and in 4 splits (each split's CTAs mask their share's bad slots, the merge reads
+    partials of rows with nothing valid)."""
+
+    def __init__(self, cp, rng):
+        super().__init__(cp, rng)
+        self.q = rng.standard_normal((6, 128, 576)).astype(np.float32)
+
+    def run(self, idx_dev):
+        from cpsparse.raw_kernels import attention as katt
+        whole = cpsparse.sparse_mla_attention(self.q_dev, self.kv_dev, idx_dev, SCALE)
+        split = katt.sparse_mla_attention(self.cp, self.q_dev, self.kv_dev.records(),
+                                          idx_dev, SCALE, 512, True, splits=4)
+        return tuple(self.cp.concatenate([a, b]) for a, b in zip(whole, split))
+
+    def want(self, idx):
+        out, lse = super().want(idx)
+        return np.concatenate([out, out]), np.concatenate([lse, lse])
+
+
 class AttentionBf16(AttentionFp8):
     def __init__(self, cp, rng):
         Case.__init__(self, cp, rng)
@@ -411,7 +432,8 @@ class SlotMapping(Case):
         return np.array_equal(_np(got), want)
 
 
-CASES = {"attention_fp8": AttentionFp8, "attention_bf16": AttentionBf16,
+CASES = {"attention_fp8": AttentionFp8, "attention_fp8_h128": AttentionFp8Heads128,
+         "attention_bf16": AttentionBf16,
          "attention_model1": AttentionModel1,
          "indexer_insert": IndexerInsert, "mla_insert": MLAInsert,
          "indexer_gather": IndexerGather, "paged_mqa_logits": PagedLogits,
