@@ -240,17 +240,9 @@ TRACE = [
     ("            s_bt[ptid + 128] = (u32)gid1 < (u32)num_blocks ? gid1 : -1;\n        }\n",
      "            s_bt[ptid + 128] = (u32)gid1 < (u32)num_blocks ? gid1 : -1;\n"
      "            if (ptid == 0) cps_wsd_trace_at(8);\n        }\n"),
-    ("            if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);   // (after the metadata stores)\n"
-     "            for (int j = 0; j < nst; ++j, ++kv) {\n"
-     "                const int st = (int)(kv % S);\n"
-     "                cps_mbar_wait(kempty + 8 * st, ((kv / S) & 1) ^ 1);\n"
-     "                const int t0 = own_lo + j * CPS_IDX_WS_KEYS;\n",
-     "            if (ptid == 0 && it == 0) cps_wsd_trace_at(9);\n"
-     "            if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);   // (after the metadata stores)\n"
-     "            for (int j = 0; j < nst; ++j, ++kv) {\n"
-     "                const int st = (int)(kv % S);\n"
-     "                cps_mbar_wait(kempty + 8 * st, ((kv / S) & 1) ^ 1);\n"
-     "                const int t0 = own_lo + j * CPS_IDX_WS_KEYS;\n"),
+    ("                    if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);   // (after the metadata)\n",
+     "                    if (ptid == 0 && it == 0) cps_wsd_trace_at(9);\n"
+     "                    if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);   // (after the metadata)\n"),
     ("        if (ptid == 0) meta[qs].req = -1;\n",
      "        if (ptid == 0) meta[qs].req = -1;\n"
      "        if (ptid == 0) cps_wsd_trace_at(7);\n"),

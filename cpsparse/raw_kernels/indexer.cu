@@ -1180,10 +1180,11 @@ CPS_MQA_WS_KERNEL(cps_mqa_logits_ws_h64, 64)
 // stages, the NN query rows of b (NN * 64 columns; at NN = 2 the query block of a
 // prefill block of 2 tokens) against keys [256 s0, 256 s1) of its context.
 //   producer: the item's page ids into s_bt (bounded: an id outside [0, num_blocks) or a
-//     position past the table row is -1), the rows' windows and the request into the Q
-//     slot's metadata, the query block and weights into the slot, then the stages: each
-//     page's 8 KB of codes (MXFP4: 4 KB) and 256 B of scales by 16- / 4-byte cp.async,
-//     and a mask of the stage's missing pages (never read; their keys score -inf); then
+//     position past the table row is -1), then the stages: each page's 8 KB of codes
+//     (MXFP4: 4 KB) and 256 B of scales by 16- / 4-byte cp.async, and a mask of the
+//     stage's missing pages (never read; their keys score -inf), with the rows' windows
+//     and the request into the Q slot's metadata and the query block and weights into
+//     the slot after the first stage's copies; then
 //     -inf outside the visited keys of the item. An item past every row's context is
 //     only that fill (the math warpgroups never see it). clean = 0 (DeepGEMM's
 //     clean_logits=False: the caller's top-k reads only the rows' windows): no fill, an
@@ -1587,51 +1588,6 @@ __device__ __forceinline__ void cps_paged_ws_body(
             }
             ids_ready = false;
             asm volatile("bar.sync 1, 128;\n" ::: "memory");
-            cps_mbar_wait(bar + 16 + 8 * qs, ((it >> 1) & 1) ^ 1);
-            if (ptid < 32) {
-                CpsIdxWsdMeta& m = meta[qs];
-                if (lane < NN) m.hi[lane] = end;
-                if (lane == 0) {
-                    m.req = b;
-                    m.t_lo = own_lo;
-                    m.t_hi = t_hi;
-                    m.nst = nst;
-                }
-            }
-            // Query block: column n = row * 64 + head (zero past H). (Not unrolled: its
-            // per-thread offsets, hoisted out of the item loop, spilled the producer.)
-            const u32 sq = sbase + qs * 128 * CPS_IDX_D;
-            if constexpr (!FP4) {
-#pragma unroll 1
-                for (int j = 0; j < NC / 16; ++j) {
-                    const int n = 16 * j + (ptid >> 3), c = ptid & 7;
-                    const int rl = n / HPC, h = n - rl * HPC;
-                    const bool valid = h < H;
-                    const u8* src = valid ? q + ((row0 + rl) * H + h) * CPS_IDX_D + c * 16 : q;
-                    cps_cp_async16(sq + n * CPS_IDX_D + ((c ^ (n & 7)) << 4), src, valid);
-                }
-            } else {
-                // MXFP4 keys: the head dimension in the MXFP4 order (cps_fp4_unit), 4-byte
-                // copies; lane u moves MMA unit u of a column, query unit cps_fp4_unit(u).
-                const int u4 = 4 * cps_fp4_unit(lane);
-#pragma unroll 1
-                for (int j = 0; j < NC / 4; ++j) {
-                    const int n = 4 * j + (ptid >> 5);
-                    const int rl = n / HPC, h = n - rl * HPC;
-                    const bool valid = h < H;
-                    const u8* src = valid ? q + ((row0 + rl) * H + h) * CPS_IDX_D + u4 : q;
-                    cps_cp_async4(sq + n * CPS_IDX_D + (((lane >> 2) ^ (n & 7)) << 4)
-                                      + 4 * (lane & 3), src, valid);
-                }
-            }
-            if (ptid < NC) {
-                const int rl = ptid / HPC, h = ptid - rl * HPC;
-                const bool valid = h < H;
-                cps_cp_async4(sbase + L::OFF_W + (qs * 128 + ptid) * 4,
-                              valid ? w + (row0 + rl) * H + h : w, valid);
-            }
-            cps_mbar_arrive_cp_async(bar + 8 * qs);
-            if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);   // (after the metadata stores)
             for (int j = 0; j < nst; ++j, ++kv) {
                 const int st = (int)(kv % S);
                 cps_mbar_wait(kempty + 8 * st, ((kv / S) & 1) ^ 1);
@@ -1666,6 +1622,65 @@ __device__ __forceinline__ void cps_paged_ws_body(
                     s_pm[st] = (pg[0] < 0) | ((pg[1] < 0) << 1) | ((pg[2] < 0) << 2)
                                | ((pg[3] < 0) << 3);
                     cps_mbar_arrive(kfull + 8 * st);
+                }
+                if (j == 0) {
+                    // The item's query block after its first stage: the stage's pages come
+                    // from HBM, the query block (read again by every item of the request)
+                    // mostly from L2, so the stage's round trip starts first (a B=1 x 32K
+                    // launch issued it 0.2 us after the query copies, which took 0.3 us
+                    // to issue and landed first: the math waited for the stage).
+                    cps_mbar_wait(bar + 16 + 8 * qs, ((it >> 1) & 1) ^ 1);
+                    if (ptid < 32) {
+                        CpsIdxWsdMeta& m = meta[qs];
+                        if (lane < NN) m.hi[lane] = end;
+                        if (lane == 0) {
+                            m.req = b;
+                            m.t_lo = own_lo;
+                            m.t_hi = t_hi;
+                            m.nst = nst;
+                        }
+                    }
+                    // Query block: column n = row * 64 + head (zero past H). (Not unrolled:
+                    // its per-thread offsets, hoisted out of the item loop, spilled the
+                    // producer.)
+                    const u32 sq = sbase + qs * 128 * CPS_IDX_D;
+                    if constexpr (!FP4) {
+#pragma unroll 1
+                        for (int jq = 0; jq < NC / 16; ++jq) {
+                            const int n = 16 * jq + (ptid >> 3), c = ptid & 7;
+                            const int rl = n / HPC, h = n - rl * HPC;
+                            const bool valid = h < H;
+                            const u8* src =
+                                valid ? q + ((row0 + rl) * H + h) * CPS_IDX_D + c * 16 : q;
+                            cps_cp_async16(sq + n * CPS_IDX_D + ((c ^ (n & 7)) << 4), src,
+                                           valid);
+                        }
+                    } else {
+                        // MXFP4 keys: the head dimension in the MXFP4 order (cps_fp4_unit),
+                        // 4-byte copies; lane u moves MMA unit u of a column, query unit
+                        // cps_fp4_unit(u).
+                        const int u4 = 4 * cps_fp4_unit(lane);
+#pragma unroll 1
+                        for (int jq = 0; jq < NC / 4; ++jq) {
+                            const int n = 4 * jq + (ptid >> 5);
+                            const int rl = n / HPC, h = n - rl * HPC;
+                            const bool valid = h < H;
+                            const u8* src =
+                                valid ? q + ((row0 + rl) * H + h) * CPS_IDX_D + u4 : q;
+                            cps_cp_async4(sq + n * CPS_IDX_D + (((lane >> 2) ^ (n & 7)) << 4)
+                                              + 4 * (lane & 3), src, valid);
+                        }
+                    }
+                    if (ptid < NC) {
+                        const int rl = ptid / HPC, h = ptid - rl * HPC;
+                        const bool valid = h < H;
+                        cps_cp_async4(sbase + L::OFF_W + (qs * 128 + ptid) * 4,
+                                      valid ? w + (row0 + rl) * H + h : w, valid);
+                    }
+                    // (This cp.async arrival waits for the stage's copies too: the math
+                    // waits for both anyway.)
+                    cps_mbar_arrive_cp_async(bar + 8 * qs);
+                    if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);   // (after the metadata)
                 }
             }
             // -inf outside the visited keys of the item (the math warpgroups write the rest):
