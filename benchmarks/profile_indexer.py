@@ -27,11 +27,13 @@ without it ncu locks the SMs near 1.3 GHz.
 ``python3 -m benchmarks.profile_indexer trace [B CTX NEXT_N]`` (default 1 32768 1; ``bash
 tools/gpu_check.sh profile`` runs it) instead launches the fp8 ws decode kernel with
 clock64 stamps (TRACE) and prints, as medians over the CTAs, when each CTA's producer had
-its share, stored the guessed page ids, issued the query block's and the first stage's
-copies, when math warpgroup 0 saw the query slot
-and the first stage full, finished its first item and left, and when the producer left,
-all in us after the CTA's entry; and the spread of the CTAs' entries (globaltimer): where
-a B=1 launch (4.3-4.4 us on an H100, DeepGEMM's 3.9-4.1) spends its time.
+its share, issued the guessed first item's first stage and query block (``guess_issued``,
+where the guess hit), stored the guessed page ids, arrived on the first stage's and the
+query slot's barriers (``first_copies``, ``q_issued``: the copies' issue itself where the
+guess missed), when math warpgroup 0 saw the query slot and the first stage full, finished
+its first item and left, and when the producer left, all in us after the CTA's entry; and
+the spread of the CTAs' entries (globaltimer): where a B=1 launch (4.2-4.3 us on an H100,
+DeepGEMM's 3.9-4.1) spends its time.
 """
 
 import csv
@@ -199,7 +201,8 @@ def launch():
 # (ptid 0) and of math warpgroup 0 (tid 0); the launch's globaltimer at each CTA's entry.
 TRACE_CTAS = 132
 TRACE_EVENTS = ("entry", "share_done", "first_copies", "math_q_full", "math_k_full",
-                "math_first_item", "math_exit", "producer_exit", "ids_stored", "q_issued")
+                "math_first_item", "math_exit", "producer_exit", "ids_stored", "q_issued",
+                "guess_issued")
 TRACE = [
     ("constexpr int CPS_IDX_WSD_ENDS_CAP = CPS_IDX_WS_THREADS;",
      f"__device__ long long cps_wsd_trace[{TRACE_CTAS}][{len(TRACE_EVENTS)}];\n"
@@ -243,6 +246,9 @@ TRACE = [
     ("                    if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);   // (after the metadata)\n",
      "                    if (ptid == 0 && it == 0) cps_wsd_trace_at(9);\n"
      "                    if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);   // (after the metadata)\n"),
+    ("            issue_query(zero, (long long)gb * NN);\n",
+     "            issue_query(zero, (long long)gb * NN);\n"
+     "            if (ptid == 0) cps_wsd_trace_at(10);\n"),
     ("        if (ptid == 0) meta[qs].req = -1;\n",
      "        if (ptid == 0) meta[qs].req = -1;\n"
      "        if (ptid == 0) cps_wsd_trace_at(7);\n"),

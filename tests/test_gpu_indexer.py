@@ -395,12 +395,14 @@ def test_paged_ws_shares_of_mixed_lengths(cp, kin, case, next_n, fp4, ctas):
 ])
 def test_paged_ws_guessed_first_items(cp, kin, case, next_n, fp4):
     """A batch of up to 256 requests: each CTA loads the page ids of the first item a
-    uniform full batch would give it while the lengths load, and keeps them where its
-    share starts there. Every CTA guesses right (full, with a missing page among the
-    guessed ids; two requests a producer thread past 128); CTA 0 guesses right but its
-    first item is only -inf (first_empty); it guesses right with fewer key stages than
-    guessed (short_of_width); most guess wrong (two_a_thread_mixed). Bit-identical to the
-    per-page kernel."""
+    uniform full batch would give it while the lengths load, and where its share starts
+    there keeps them and issues that item's first stage (all four pages, past the
+    windows too) and query block before the item's bounds. Every CTA guesses right
+    (full, with a missing page among the guessed ids; two requests a producer thread past
+    128); CTA 0 guesses right but its first item is only -inf (first_empty: the copies
+    issued for it land before the next item's reuse their slots); it guesses right with
+    fewer key stages than guessed (short_of_width: pages past the windows copied, never
+    read); most guess wrong (two_a_thread_mixed). Bit-identical to the per-page kernel."""
     rng = np.random.default_rng(7000 + 10 * next_n + fp4 + len(case))
     lens, width, missing = {
         "full": ([4099] * 7, 4099, True),

@@ -135,11 +135,12 @@ def test_trace_stamps_hit_the_kernel_once_and_summarize_per_cta(monkeypatch):
     with pytest.raises(ValueError, match="expected one occurrence"):
         P.trace_source(raw_kernels.module_source("indexer"))
     stamps = np.zeros((4, len(P.TRACE_EVENTS)), np.int64)
-    stamps[0] = [1000, 1500, 2000, 2500, 3000, 5000, 5200, 5100, 1700, 1900]
-    stamps[1] = [2000, 2600, 3000, 3600, 4000, 6000, 6400, 6100, 2700, 2900]
+    stamps[0] = [1000, 1500, 2000, 2500, 3000, 5000, 5200, 5100, 1700, 1900, 1600]
+    stamps[1] = [2000, 2600, 3000, 3600, 4000, 6000, 6400, 6100, 2700, 2900, 0]  # guess missed
     stamps[2, [0, 1, 7]] = [10, 20, 30]               # an empty share: no item
     summary = P.trace_summary(stamps, np.array([7000, 9000, 8000, 0]), mhz=1000.0)
     assert summary["ctas"] == 3 and summary["ctas_with_items"] == 2
     assert summary["share_done_us"] == 0.55 and summary["math_first_item_us"] == 4.0
     assert summary["ids_stored_us"] == 0.7 and summary["q_issued_us"] == 0.9
+    assert summary["guess_issued_us"] == 0.6          # over the CTAs that stamped it
     assert summary["entry_spread_us"] == 2.0

@@ -1184,7 +1184,8 @@ CPS_MQA_WS_KERNEL(cps_mqa_logits_ws_h64, 64)
 //     (MXFP4: 4 KB) and 256 B of scales by 16- / 4-byte cp.async, and a mask of the
 //     stage's missing pages (never read; their keys score -inf), with the rows' windows
 //     and the request into the Q slot's metadata and the query block and weights into
-//     the slot after the first stage's copies; then
+//     the slot after the first stage's copies (the guessed first item's first stage and
+//     query block go out as soon as the share is known, where the guess hit); then
 //     -inf outside the visited keys of the item. An item past every row's context is
 //     only that fill (the math warpgroups never see it). clean = 0 (DeepGEMM's
 //     clean_logits=False: the caller's top-k reads only the rows' windows): no fill, an
@@ -1498,21 +1499,25 @@ __device__ __forceinline__ void cps_paged_ws_body(
             for (int r = 0; r < NN; ++r)
                 pre[k][r] = small && pb0 + k < pb1 ? cps_wsd_len<NN>(lens, lens_2d, pb0 + k, r) : 0;
         }
-        int gpos = -1, gid0 = -1, gid1 = -1;
+        // (and every thread loads the guessed item's first 4 page ids, its first stage: the
+        // same 16 bytes in each thread, one request a warp)
+        int gpos = -1, gid0 = -1, gid1 = -1, gb = 0, spg[4] = {-1, -1, -1, -1};
         if (guess) {
             gpos = cps_wsd_full_cut(blockIdx.x, (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT);
-            const int gb = (int)((unsigned)gpos / (unsigned)U), gs0 = gpos - gb * U;
+            gb = (int)((unsigned)gpos / (unsigned)U);
+            const int gs0 = gpos - gb * U;
             if (gb < batch) {
                 const int* bt_row = bt + (long long)gb * bt_cols;
                 const int n4 = 4 * (min(U, gs0 + piece_stages) - gs0), p0 = 4 * gs0;
                 if (ptid < n4 && p0 + ptid < bt_cols) gid0 = bt_row[p0 + ptid];
                 if (ptid + 128 < n4 && p0 + ptid + 128 < bt_cols) gid1 = bt_row[p0 + ptid + 128];
+#pragma unroll
+                for (int pq = 0; pq < 4; ++pq)          // (n4 >= 4: gs0 < U)
+                    if (p0 + pq < bt_cols) spg[pq] = bt_row[p0 + pq];
             } else {
                 gpos = -1;
             }
         }
-        const bool full = cps_wsd_share<NN, CPS_IDX_WSD_SHARE_THREADS>(
-            lens, lens_2d, batch, width, ptid, share, s_ends, pre, guess);
         // Thread ptid moves bytes [16 ptid, +16) of each 2 KB of a stage's codes (fp8: key
         // row 16 k + rr of a page, chunk ptid % 8). Its source offsets inside a page are
         // fixed: a page's copies are one multiply-add off a per-thread base (a missing
@@ -1521,6 +1526,72 @@ __device__ __forceinline__ void cps_paged_ws_body(
         const u32 dst_off = FP4 ? ptid * 16 : rr * CPS_IDX_D + (((ptid & 7) ^ (rr & 7)) << 4);
         const u8* const code_src = cache + (FP4 ? ptid * 16 : rr * CPS_IDX_D + (ptid & 7) * 16);
         const u8* const scale_src = cache + CPS_IDX_TILE * KB + (ptid & 63) * 4;
+        // A stage's copies into ring slot st: its pages pg (-1: missing, nothing read).
+        auto issue_stage = [&](int st, const int (&pg)[4]) {
+            const u32 kdst = sbase + L::OFF_K + st * L::SLOT + dst_off;
+            // fp8: 4 copies a page (its key rows 16 k + rr); MXFP4: a page's 4 KB of
+            // packed codes, unswizzled (key r at 64 r), page pq at 4 KB pq of the slot.
+            constexpr int PER_PAGE = CPS_IDX_TILE * KB / 2048;
+#pragma unroll
+            for (int pq = 0; pq < 4; ++pq) {
+                const bool valid = pg[pq] >= 0;
+                const u8* src = code_src + (size_t)(u32)(valid ? pg[pq] : 0) * PAGE_BYTES;
+#pragma unroll
+                for (int k = 0; k < PER_PAGE; ++k)
+                    cps_cp_async16_l2(kdst + (PER_PAGE * pq + k) * 2048, src + k * 2048,
+                                      valid, page_policy);
+            }
+            const u32 sdst = sbase + L::OFF_KS + st * (CPS_IDX_WS_KEYS * 4) + ptid * 4;
+#pragma unroll
+            for (int r = 0; r < CPS_IDX_WS_KEYS / 128; ++r) {
+                const int page = ptid < 64 ? pg[2 * r] : pg[2 * r + 1];  // (not pg[key >> 6]:
+                const bool valid = page >= 0;                          // a local-memory array)
+                cps_cp_async4(sdst + 512 * r,
+                              scale_src + (size_t)(u32)(valid ? page : 0) * PAGE_BYTES, valid);
+            }
+        };
+        // A request's query block (rows row0 .. + NN) and weights into query slot qs.
+        auto issue_query = [&](int qs, long long row0) {
+            // Query block: column n = row * 64 + head (zero past H). (Not unrolled:
+            // its per-thread offsets, hoisted out of the item loop, spilled the
+            // producer.)
+            const u32 sq = sbase + qs * 128 * CPS_IDX_D;
+            if constexpr (!FP4) {
+#pragma unroll 1
+                for (int jq = 0; jq < NC / 16; ++jq) {
+                    const int n = 16 * jq + (ptid >> 3), c = ptid & 7;
+                    const int rl = n / HPC, h = n - rl * HPC;
+                    const bool valid = h < H;
+                    const u8* src =
+                        valid ? q + ((row0 + rl) * H + h) * CPS_IDX_D + c * 16 : q;
+                    cps_cp_async16(sq + n * CPS_IDX_D + ((c ^ (n & 7)) << 4), src,
+                                   valid);
+                }
+            } else {
+                // MXFP4 keys: the head dimension in the MXFP4 order (cps_fp4_unit),
+                // 4-byte copies; lane u moves MMA unit u of a column, query unit
+                // cps_fp4_unit(u).
+                const int u4 = 4 * cps_fp4_unit(lane);
+#pragma unroll 1
+                for (int jq = 0; jq < NC / 4; ++jq) {
+                    const int n = 4 * jq + (ptid >> 5);
+                    const int rl = n / HPC, h = n - rl * HPC;
+                    const bool valid = h < H;
+                    const u8* src =
+                        valid ? q + ((row0 + rl) * H + h) * CPS_IDX_D + u4 : q;
+                    cps_cp_async4(sq + n * CPS_IDX_D + (((lane >> 2) ^ (n & 7)) << 4)
+                                      + 4 * (lane & 3), src, valid);
+                }
+            }
+            if (ptid < NC) {
+                const int rl = ptid / HPC, h = ptid - rl * HPC;
+                const bool valid = h < H;
+                cps_cp_async4(sbase + L::OFF_W + (qs * 128 + ptid) * 4,
+                              valid ? w + (row0 + rl) * H + h : w, valid);
+            }
+        };
+        const bool full = cps_wsd_share<NN, CPS_IDX_WSD_SHARE_THREADS>(
+            lens, lens_2d, batch, width, ptid, share, s_ends, pre, guess);
         // This CTA's share: a full batch's from the launch (cps_wsd_share returned true,
         // read nothing of its scratch; the first cut is the guess's own), else the share's.
         int pos, p_end;
@@ -1539,6 +1610,29 @@ __device__ __forceinline__ void cps_paged_ws_body(
         // thread: gpos and full are functions of the launch and the lengths alone, pos and
         // p_end read from shared memory after the share's last barrier.)
         bool ids_ready = gpos == pos && pos < p_end;
+        // Where the guess hit, the first item's first stage and query block go out now,
+        // before its bounds, page ids and barrier: at B=1 x 32K the producer issued that
+        // stage 0.7 us after the share (the item's bounds, a barrier, the query slot's
+        // wait), and the math waited for it. Ring slot 0 and query slot 0 are free at the
+        // start; the first item then skips those copies (spec_hit). The whole stage is
+        // copied: its pages past the rows' windows too (the item's missing-page mask, made
+        // from its windows, keeps them unread). Where that item holds no key (past every
+        // row's window: the loop skips it), the copies land before the slots are written
+        // again. (Issued before the share was known, a missed guess's copies cost the
+        // mixed-length batches 1-1.5%: they were waited for before the first item's.)
+        bool spec = ids_ready;
+        if (spec) {
+            int pg[4];
+#pragma unroll
+            for (int pq = 0; pq < 4; ++pq) pg[pq] = (u32)spg[pq] < (u32)num_blocks ? spg[pq] : -1;
+            // Slot 0 from a register ptxas cannot fold (threads number at most 1024): with
+            // the constant, NVRTC 13.0's SASS of these copies read two uniform registers
+            // nothing wrote (the shared base, the L2 policy) and every launch trapped on an
+            // H100 (illegal instruction); NVRTC 13.5 compiled the same source right.
+            const int zero = (int)(threadIdx.x >> 10);
+            issue_stage(zero, pg);
+            issue_query(zero, (long long)gb * NN);
+        }
         if (ids_ready) {
             if (!full) asm volatile("bar.sync 1, 128;\n" ::: "memory");
             s_bt[ptid] = (u32)gid0 < (u32)num_blocks ? gid0 : -1;
@@ -1574,6 +1668,12 @@ __device__ __forceinline__ void cps_paged_ws_body(
                 continue;
             }
             const int qs = it & 1;
+            // The guess's first stage and query block are this item's (it is the first item
+            // and the guessed one: kv = 0, qs = 0), or they must land before the slots are
+            // written again.
+            const bool spec_hit = spec && ids_ready;
+            if (spec && !spec_hit) cps_cp_async_wait_all();
+            spec = false;
             // The item's page ids (the previous item's are no longer read), unless the
             // guess stored them already.
             if (!ids_ready) {
@@ -1596,27 +1696,7 @@ __device__ __forceinline__ void cps_paged_ws_body(
 #pragma unroll
                 for (int pq = 0; pq < 4; ++pq)
                     pg[pq] = t0 + pq * CPS_IDX_TILE < t_hi ? s_bt[4 * j + pq] : -1;
-                const u32 kdst = sbase + L::OFF_K + st * L::SLOT + dst_off;
-                // fp8: 4 copies a page (its key rows 16 k + rr); MXFP4: a page's 4 KB of
-                // packed codes, unswizzled (key r at 64 r), page pq at 4 KB pq of the slot.
-                constexpr int PER_PAGE = CPS_IDX_TILE * KB / 2048;
-#pragma unroll
-                for (int pq = 0; pq < 4; ++pq) {
-                    const bool valid = pg[pq] >= 0;
-                    const u8* src = code_src + (size_t)(u32)(valid ? pg[pq] : 0) * PAGE_BYTES;
-#pragma unroll
-                    for (int k = 0; k < PER_PAGE; ++k)
-                        cps_cp_async16_l2(kdst + (PER_PAGE * pq + k) * 2048, src + k * 2048,
-                                          valid, page_policy);
-                }
-                const u32 sdst = sbase + L::OFF_KS + st * (CPS_IDX_WS_KEYS * 4) + ptid * 4;
-#pragma unroll
-                for (int r = 0; r < CPS_IDX_WS_KEYS / 128; ++r) {
-                    const int page = ptid < 64 ? pg[2 * r] : pg[2 * r + 1];  // (not pg[key >> 6]:
-                    const bool valid = page >= 0;                          // a local-memory array)
-                    cps_cp_async4(sdst + 512 * r,
-                                  scale_src + (size_t)(u32)(valid ? page : 0) * PAGE_BYTES, valid);
-                }
+                if (!spec_hit || j > 0) issue_stage(st, pg);
                 cps_mbar_arrive_cp_async(kfull + 8 * st);
                 if (ptid == 0) {
                     s_pm[st] = (pg[0] < 0) | ((pg[1] < 0) << 1) | ((pg[2] < 0) << 2)
@@ -1640,43 +1720,7 @@ __device__ __forceinline__ void cps_paged_ws_body(
                             m.nst = nst;
                         }
                     }
-                    // Query block: column n = row * 64 + head (zero past H). (Not unrolled:
-                    // its per-thread offsets, hoisted out of the item loop, spilled the
-                    // producer.)
-                    const u32 sq = sbase + qs * 128 * CPS_IDX_D;
-                    if constexpr (!FP4) {
-#pragma unroll 1
-                        for (int jq = 0; jq < NC / 16; ++jq) {
-                            const int n = 16 * jq + (ptid >> 3), c = ptid & 7;
-                            const int rl = n / HPC, h = n - rl * HPC;
-                            const bool valid = h < H;
-                            const u8* src =
-                                valid ? q + ((row0 + rl) * H + h) * CPS_IDX_D + c * 16 : q;
-                            cps_cp_async16(sq + n * CPS_IDX_D + ((c ^ (n & 7)) << 4), src,
-                                           valid);
-                        }
-                    } else {
-                        // MXFP4 keys: the head dimension in the MXFP4 order (cps_fp4_unit),
-                        // 4-byte copies; lane u moves MMA unit u of a column, query unit
-                        // cps_fp4_unit(u).
-                        const int u4 = 4 * cps_fp4_unit(lane);
-#pragma unroll 1
-                        for (int jq = 0; jq < NC / 4; ++jq) {
-                            const int n = 4 * jq + (ptid >> 5);
-                            const int rl = n / HPC, h = n - rl * HPC;
-                            const bool valid = h < H;
-                            const u8* src =
-                                valid ? q + ((row0 + rl) * H + h) * CPS_IDX_D + u4 : q;
-                            cps_cp_async4(sq + n * CPS_IDX_D + (((lane >> 2) ^ (n & 7)) << 4)
-                                              + 4 * (lane & 3), src, valid);
-                        }
-                    }
-                    if (ptid < NC) {
-                        const int rl = ptid / HPC, h = ptid - rl * HPC;
-                        const bool valid = h < H;
-                        cps_cp_async4(sbase + L::OFF_W + (qs * 128 + ptid) * 4,
-                                      valid ? w + (row0 + rl) * H + h : w, valid);
-                    }
+                    if (!spec_hit) issue_query(qs, row0);
                     // (This cp.async arrival waits for the stage's copies too: the math
                     // waits for both anyway.)
                     cps_mbar_arrive_cp_async(bar + 8 * qs);
