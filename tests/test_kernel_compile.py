@@ -239,6 +239,75 @@ def test_profile_variants_remove_only_the_products_they_name(tmp_path):
             assert got < want[kernel], f"variant {name} says it removes {kernel}'s products"
 
 
+# A SASS instruction line: optional predicate, opcode, operands.
+_SASS_INSTR = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*(.*?)\s*;")
+_UREG = re.compile(r"\bUR(\d+)\b")
+
+
+def unwritten_uniform_reads(lines, opcode="LDGSTS"):
+    """The ``opcode`` instructions of one kernel's SASS (sass_diff.kernels' lines, in
+    program order) that read a uniform register no earlier instruction wrote. A
+    destination is an instruction's first operand (after a predicate destination);
+    a .64 opcode writes the pair. (Program order, not control flow: a value written
+    later in the text and reaching the read through a loop's back edge would be
+    reported too; none of the checked kernels has one.)"""
+    written, bad = set(), []
+    for line in lines:
+        m = _SASS_INSTR.match(line)
+        if not m:
+            continue
+        op, args = m.groups()
+        ops = [a.strip() for a in args.split(",")] if args else []
+        if op.startswith(opcode):
+            bad += [line for r in _UREG.findall(args) if int(r) not in written][:1]
+        dest = ops[1] if len(ops) > 1 and re.fullmatch(r"U?P\w+", ops[0]) else (ops[0] if ops else "")
+        d = re.fullmatch(r"UR(\d+)(?:\.\w+)*", dest)
+        if d:
+            written.add(int(d.group(1)))
+            if ".64" in op:
+                written.add(int(d.group(1)) + 1)
+    return bad
+
+
+@pytest.mark.slow
+def test_decode_copies_read_only_uniform_registers_written_before(tmp_path):
+    # NVRTC 12.9 and 13.0 compiled the ws decode producer's early copies of ring slot 0
+    # (cps_paged_ws_body, slot 0 as a literal) into LDGSTS whose shared base and L2 policy
+    # came from uniform registers nothing wrote (`[R24+UR0+0x8000], desc[UR1]`): every
+    # launch trapped on an H100 with an illegal instruction, and the compile itself was
+    # clean (NVRTC 13.5 compiled it right). The kernels' cp.async copies must read only
+    # uniform registers the kernel wrote before them.
+    import subprocess
+    tool = sass_diff.find_nvdisasm()
+    if tool is None:
+        pytest.skip("needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
+    ok, log, _, cubin = _build("indexer", "sm_90a", None)
+    assert ok, log
+    path = tmp_path / "indexer.cubin"
+    path.write_bytes(cubin)
+    text = subprocess.run([tool, str(path)], capture_output=True, text=True, check=True).stdout
+    found = sass_diff.kernels(text)
+    ws = [k for k in found if k.startswith("cps_paged_mqa_logits_") and "_ws_" in k]
+    assert len(ws) == 4, sorted(found)
+    for name in ws:
+        assert any(line.startswith("LDGSTS") for line in found[name]), name
+        bad = unwritten_uniform_reads(found[name])
+        assert not bad, f"{name} (NVRTC {NVRTC_VERSION}): {bad[:3]}"
+
+
+def test_unwritten_uniform_reads_reads_destinations_and_pairs():
+    lines = ["ULDC.64 UR4, c[0x0][0x208] ;",
+             "R2UR UR8, R2 ;",
+             "@P0 R2UR P1, UR9, R3 ;",
+             "LDGSTS.E.BYPASS.128 [R1+0x8000], desc[UR4][R2.64], P0 ;",
+             "LDGSTS.E.BYPASS.128 [R1+UR8+0x10], desc[UR5][R2.64], P0 ;",
+             "LDGSTS.E [R1+0x10], desc[UR9][R2.64], P0 ;",
+             "LDGSTS.E.BYPASS.128 [R24+UR0+0x8000], desc[UR1][R34.64], P0 ;",
+             "UMOV UR0, UR8 ;"]
+    assert unwritten_uniform_reads(lines) == [lines[6]]       # (the trap's pattern)
+    assert unwritten_uniform_reads(lines[1:]) == lines[3:5] + [lines[6]]   # no ULDC.64
+
+
 @pytest.mark.slow
 def test_indexer_trace_compiles_like_the_kernel():
     # The ws decode trace (benchmarks.profile_indexer trace) times the fp8 kernels it

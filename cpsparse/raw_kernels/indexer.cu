@@ -1626,9 +1626,11 @@ __device__ __forceinline__ void cps_paged_ws_body(
 #pragma unroll
             for (int pq = 0; pq < 4; ++pq) pg[pq] = (u32)spg[pq] < (u32)num_blocks ? spg[pq] : -1;
             // Slot 0 from a register ptxas cannot fold (threads number at most 1024): with
-            // the constant, NVRTC 13.0's SASS of these copies read two uniform registers
-            // nothing wrote (the shared base, the L2 policy) and every launch trapped on an
-            // H100 (illegal instruction); NVRTC 13.5 compiled the same source right.
+            // the literal, NVRTC 13.0 compiled these copies, placed before or right after
+            // cps_wsd_share, into LDGSTS reading two uniform registers nothing wrote (the
+            // shared base, the L2 policy), and every launch trapped on an H100 (illegal
+            // instruction; NVRTC 13.5 compiled them right). test_kernel_compile scans the
+            // SASS for such reads where nvdisasm is installed.
             const int zero = (int)(threadIdx.x >> 10);
             issue_stage(zero, pg);
             issue_query(zero, (long long)gb * NN);
