@@ -199,16 +199,23 @@ def test_profile_variants_compile_like_the_kernel(variant):
     assert "wgmma.mma_async instructions are serialized" not in log, log
 
 
+def _sass(name, source, tool, tmp_path):
+    """{kernel: its SASS instruction lines} (sass_diff.kernels) of module ``name`` compiled
+    for sm_90a from ``source`` (None: its own), disassembled with nvdisasm ``tool``."""
+    import subprocess
+    ok, log, _, cubin = _build(name, "sm_90a", source)
+    assert ok, log
+    path = tmp_path / f"{name}.cubin"
+    path.write_bytes(cubin)
+    text = subprocess.run([tool, str(path)], capture_output=True, text=True, check=True).stdout
+    return sass_diff.kernels(text)
+
+
 def _wgmma_counts(source, tool, tmp_path):
     """{kernel: wgmma (HGMMA) instructions in its SASS} of the attention module from
     ``source``."""
-    import subprocess
-    ok, log, _, cubin = _build("attention", "sm_90a", source)
-    assert ok, log
-    path = tmp_path / "attention.cubin"
-    path.write_bytes(cubin)
-    text = subprocess.run([tool, str(path)], capture_output=True, text=True, check=True).stdout
-    return {k: sum("HGMMA" in line for line in v) for k, v in sass_diff.kernels(text).items()}
+    return {k: sum("HGMMA" in line for line in v)
+            for k, v in _sass("attention", source, tool, tmp_path).items()}
 
 
 @pytest.mark.slow
@@ -277,16 +284,10 @@ def test_decode_copies_read_only_uniform_registers_written_before(tmp_path):
     # launch trapped on an H100 with an illegal instruction, and the compile itself was
     # clean (NVRTC 13.5 compiled it right). The kernels' cp.async copies must read only
     # uniform registers the kernel wrote before them.
-    import subprocess
     tool = sass_diff.find_nvdisasm()
     if tool is None:
         pytest.skip("needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
-    ok, log, _, cubin = _build("indexer", "sm_90a", None)
-    assert ok, log
-    path = tmp_path / "indexer.cubin"
-    path.write_bytes(cubin)
-    text = subprocess.run([tool, str(path)], capture_output=True, text=True, check=True).stdout
-    found = sass_diff.kernels(text)
+    found = _sass("indexer", None, tool, tmp_path)
     ws = [k for k in found if k.startswith("cps_paged_mqa_logits_") and "_ws_" in k]
     assert len(ws) == 4, sorted(found)
     for name in ws:

@@ -311,12 +311,19 @@ __device__ __forceinline__ void cps_e2m1x8_to_neg_e4m3(u32 c, u32 lo, u32 hi, u3
     hi4 = __byte_perm(lo, hi, ch & 0x7777u) + (p_hi << 1);
 }
 
-// 0x40404040 in a register ptxas cannot fold back into an immediate (the kernels'
-// threads number at most 1024: tid >> 10 is 0). A compiler that used tid's range would
-// fold it again and bring the 16 moves back, silently (the logits stay the same): the
-// SASS shows them as an IMAD.U32 / MOV of 0x40404040 before each sign PRMT.
+// 0 in a register ptxas cannot fold (the kernels' threads number at most 1024: tid >> 10
+// is 0), for a value the compiler must not see as a constant (cps_k40, the ws decode
+// producer's early copies).
+__device__ __forceinline__ u32 cps_opaque_zero() {
+    return threadIdx.x >> 10;
+}
+
+// 0x40404040 in a register ptxas cannot fold back into an immediate (cps_opaque_zero). A
+// compiler that used tid's range would fold it again and bring the 16 moves back,
+// silently (the logits stay the same): the SASS shows them as an IMAD.U32 / MOV of
+// 0x40404040 before each sign PRMT.
 __device__ __forceinline__ u32 cps_k40() {
-    return 0x40404040u | (threadIdx.x >> 10);
+    return 0x40404040u | cps_opaque_zero();
 }
 
 // Byte i of w, zero-extended: one prmt (shift-and-mask takes two).
@@ -1625,13 +1632,13 @@ __device__ __forceinline__ void cps_paged_ws_body(
             int pg[4];
 #pragma unroll
             for (int pq = 0; pq < 4; ++pq) pg[pq] = (u32)spg[pq] < (u32)num_blocks ? spg[pq] : -1;
-            // Slot 0 from a register ptxas cannot fold (threads number at most 1024): with
-            // the literal, NVRTC 13.0 compiled these copies, placed before or right after
-            // cps_wsd_share, into LDGSTS reading two uniform registers nothing wrote (the
-            // shared base, the L2 policy), and every launch trapped on an H100 (illegal
-            // instruction; NVRTC 13.5 compiled them right). test_kernel_compile scans the
-            // SASS for such reads where nvdisasm is installed.
-            const int zero = (int)(threadIdx.x >> 10);
+            // Slot 0 from a register ptxas cannot fold (cps_opaque_zero): with the literal,
+            // NVRTC 13.0 compiled these copies, placed before or right after cps_wsd_share,
+            // into LDGSTS reading two uniform registers nothing wrote (the shared base, the
+            // L2 policy), and every launch trapped on an H100 (illegal instruction; NVRTC
+            // 13.5 compiled them right). test_kernel_compile scans the SASS for such reads
+            // where nvdisasm is installed.
+            const int zero = (int)cps_opaque_zero();
             issue_stage(zero, pg);
             issue_query(zero, (long long)gb * NN);
         }
