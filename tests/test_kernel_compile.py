@@ -321,6 +321,17 @@ def test_indexer_trace_compiles_like_the_kernel():
         assert reports[name][1:] == (0, 0, 0), f"traced {name} uses local memory {reports[name]}"
 
 
+def test_page_landing_probe_compiles_like_the_kernels():
+    # benchmarks.probe_page_landing builds its kernel on the project's headers with the
+    # indexer module's options (-std=c++17, sm_90a): TMA tensor and bulk copies, cp.async
+    # arrivals, clock64 stamps, no local memory.
+    from benchmarks import probe_page_landing
+    ok, log = compile_module("indexer", source=probe_page_landing.source())
+    assert ok, log
+    reports = kernel_reports(log)
+    assert reports["cps_probe_land_pages"][1:] == (0, 0, 0), reports["cps_probe_land_pages"]
+
+
 @pytest.mark.parametrize("module,kernel,define", [
     *[("attention", f"cps_sparse_mla_{kind}{out}", define)
       for out in attention.OUT_SUFFIX.values()

@@ -2,7 +2,7 @@
 # One call on the device machine: the GPU tests, the cost of index bounding, the host-time
 # profile, the kernel benchmarks and the side-by-side peer benchmark. Logs and JSON go
 # under $OUT (default ./gpu_out). Usage:
-#   bash tools/gpu_check.sh [all|tests|bounds|profile|layer|bench|peers|ncu|ab]... [-- arguments...]
+#   bash tools/gpu_check.sh [all|tests|bounds|profile|layer|bench|peers|ncu|ab|landing]... [-- arguments...]
 # "profile" is the host-time profile, the layer forward by stage ("layer" alone runs only
 # that), the attention kernel's ablations and trace, and the top-k kernel's phase trace.
 # "ncu" (only when named: not part of "all") runs Nsight Compute on the
@@ -10,6 +10,8 @@
 # the section summary, then the stall samples instruction by instruction (ncu_source.*).
 # "bounds" times the public ops with this tree and with the tree in .baseline/ (copy
 # the code before a change there: git archive <rev> cpsparse | tar -x -C .baseline).
+# "landing" (only when named) is benchmarks/probe_page_landing.py --check: when each page of
+# a B=1 decode stage lands, copied by cp.async or by TMA.
 # "ab" (only when named: not part of "all") is the A/B of a kernel change: bench_peers,
 # with the arguments after "--" (e.g. -- --rounds 2 --only indexer_decode), on the tree in
 # .baseline/ (its own benchmarks: git archive <rev> cpsparse benchmarks | tar -x -C
@@ -110,6 +112,12 @@ if named ncu; then
     else
         echo "== ncu: not found on this machine, skipped"
     fi
+fi
+if named landing; then
+    # When each page of a B=1 decode stage lands, by cp.async and by TMA (a diagnostic).
+    timeout 120 python3 -m benchmarks.probe_page_landing --check 2>&1 \
+        | tee "$OUT/probe_page_landing.log" | tail -8
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want bench; then
     mods=("$@")
