@@ -24,6 +24,10 @@ MXFP4 one DRAM 39% / issue 0.67 (performance.md, "Warp-specialized MXFP4 decode 
 ``--clock-control none`` keeps the device's own clocks, as the graph-replay timings run;
 without it ncu locks the SMs near 1.3 GHz.
 
+``python3 -m benchmarks.profile_indexer ab VARIANT... [--rounds=N]`` times the ws decode
+kernels as they are against source variants of them (VARIANTS) in one process, on
+AB_SHAPES, outputs compared bit for bit (``ab``).
+
 ``python3 -m benchmarks.profile_indexer trace [B CTX NEXT_N]`` (default 1 32768 1; ``bash
 tools/gpu_check.sh profile`` runs it) instead launches the fp8 ws decode kernel with
 clock64 stamps (TRACE) and prints, as medians over the CTAs, when each CTA's producer had
@@ -36,6 +40,7 @@ the spread of the CTAs' entries (globaltimer): where a B=1 launch (4.2-4.3 us on
 DeepGEMM's 3.9-4.1) spends its time.
 """
 
+import contextlib
 import csv
 import io
 import re
@@ -314,6 +319,278 @@ def trace(batch=1, ctx=32768, next_n=1):
     return summary
 
 
+# ---- variants of the ws decode kernels, and their in-process A/B ------------------------
+# Each (anchor, replacement) must hit indexer.cu once, in order (harness.substitute; the
+# CPU test compiles each variant without spills). A variant that adds mbarriers names how
+# many a stage (VARIANT_BARRIERS): its layout's shared memory grows by 8 of them a stage,
+# in the launch and in the #defines the kernel's static_assert checks.
+_KFULL_PAGE = [
+    # three more KFULL barriers a stage, page-major after the stages' own (page 0's):
+    # page p >= 1 of stage st at kfull_p + 8 (S (p - 1) + st)
+    ("    static constexpr int OFF_PM = OFF_BAR + (4 + 2 * S) * 8;",
+     "    static constexpr int OFF_PM = OFF_BAR + (4 + 5 * S) * 8;"),
+    ("    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 1);\n",
+     "    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 1);\n"
+     "    const u32 kfull_p = bar + 32 + 16 * S;\n"
+     "    if (tid == 0) {\n"
+     "        for (int i = 0; i < 3 * S; ++i) cps_mbar_init(kfull_p + 8 * i, 128 + 1);\n"
+     "        asm volatile(\"fence.mbarrier_init.release.cluster;\\n\" ::: \"memory\");\n"
+     "    }\n"
+     "    auto kfull_page = [&](int st, int pq) -> u32 {\n"
+     "        return pq == 0 ? kfull + 8 * st : kfull_p + 8 * (S * (pq - 1) + st);\n"
+     "    };\n"),
+    ("            const int gs0 = gpos - gb * U;\n", "            gs0 = gpos - gb * U;\n"),
+    ("        int gpos = -1, gid0 = -1, gid1 = -1, gb = 0, spg[4] = {-1, -1, -1, -1};\n",
+     "        int gpos = -1, gid0 = -1, gid1 = -1, gb = 0, gs0 = 0, spg[4] = {-1, -1, -1, -1};\n"),
+    # a page's codes, its scales (threads 0-63: pages 0 and 2, 64-127: 1 and 3), then the
+    # thread's cp.async arrival on the page's barrier
+    ("        auto issue_stage = [&](int st, const int (&pg)[4]) {\n"
+     "            const u32 kdst = sbase + L::OFF_K + st * L::SLOT + dst_off;\n"
+     "            // fp8: 4 copies a page (its key rows 16 k + rr); MXFP4: a page's 4 KB of\n"
+     "            // packed codes, unswizzled (key r at 64 r), page pq at 4 KB pq of the slot.\n"
+     "            constexpr int PER_PAGE = CPS_IDX_TILE * KB / 2048;\n"
+     "#pragma unroll\n"
+     "            for (int pq = 0; pq < 4; ++pq) {\n"
+     "                const bool valid = pg[pq] >= 0;\n"
+     "                const u8* src = code_src + (size_t)(u32)(valid ? pg[pq] : 0) * PAGE_BYTES;\n"
+     "#pragma unroll\n"
+     "                for (int k = 0; k < PER_PAGE; ++k)\n"
+     "                    cps_cp_async16_l2(kdst + (PER_PAGE * pq + k) * 2048, src + k * 2048,\n"
+     "                                      valid, page_policy);\n"
+     "            }\n"
+     "            const u32 sdst = sbase + L::OFF_KS + st * (CPS_IDX_WS_KEYS * 4) + ptid * 4;\n"
+     "#pragma unroll\n"
+     "            for (int r = 0; r < CPS_IDX_WS_KEYS / 128; ++r) {\n"
+     "                const int page = ptid < 64 ? pg[2 * r] : pg[2 * r + 1];  // (not pg[key >> 6]:\n"
+     "                const bool valid = page >= 0;                          // a local-memory array)\n"
+     "                cps_cp_async4(sdst + 512 * r,\n"
+     "                              scale_src + (size_t)(u32)(valid ? page : 0) * PAGE_BYTES, valid);\n"
+     "            }\n"
+     "        };\n",
+     "        auto issue_page = [&](int st, int pq, int pg) {\n"
+     "            constexpr int PER_PAGE = CPS_IDX_TILE * KB / 2048;\n"
+     "            const u32 kdst = sbase + L::OFF_K + st * L::SLOT + dst_off;\n"
+     "            const bool valid = pg >= 0;\n"
+     "            const u8* src = code_src + (size_t)(u32)(valid ? pg : 0) * PAGE_BYTES;\n"
+     "#pragma unroll\n"
+     "            for (int k = 0; k < PER_PAGE; ++k)\n"
+     "                cps_cp_async16_l2(kdst + (PER_PAGE * pq + k) * 2048, src + k * 2048, valid,\n"
+     "                                  page_policy);\n"
+     "            if ((ptid >= 64) == (pq & 1)) {\n"
+     "                cps_cp_async4(sbase + L::OFF_KS + st * (CPS_IDX_WS_KEYS * 4) + ptid * 4\n"
+     "                                  + 512 * (pq >> 1),\n"
+     "                              scale_src + (size_t)(u32)(valid ? pg : 0) * PAGE_BYTES, valid);\n"
+     "            }\n"
+     "            cps_mbar_arrive_cp_async(kfull_page(st, pq));\n"
+     "        };\n"
+     "        auto issue_stage = [&](int st, const int (&pg)[4]) {\n"
+     "#pragma unroll\n"
+     "            for (int pq = 0; pq < 4; ++pq) issue_page(st, pq, pg[pq]);\n"
+     "        };\n"),
+    # the early stage only for a first item that holds keys (its arrivals go out with it);
+    # page 0, the query block and its QFULL cp.async arrival, then pages 1-3
+    ("        bool spec = ids_ready;\n        if (spec) {\n",
+     "        bool spec = ids_ready;\n"
+     "        if (spec && !full) {\n"
+     "            int end = 0;\n"
+     "#pragma unroll\n"
+     "            for (int r = 0; r < NN; ++r)\n"
+     "                end = max(end, cps_wsd_kept_end<NN>(lens, lens_2d, s_ends, batch, gb, r, width));\n"
+     "            spec = end > gs0 * CPS_IDX_WS_KEYS;\n"
+     "        }\n"
+     "        if (spec) {\n"),
+    ("            issue_stage(zero, pg);\n            issue_query(zero, (long long)gb * NN);\n",
+     "            issue_page(zero, 0, pg[0]);\n"
+     "            issue_query(zero, (long long)gb * NN);\n"
+     "            cps_mbar_arrive_cp_async(bar + 8 * zero);\n"
+     "#pragma unroll\n"
+     "            for (int pq = 1; pq < 4; ++pq) issue_page(zero, pq, pg[pq]);\n"),
+    ("            const bool spec_hit = spec && ids_ready;\n"
+     "            if (spec && !spec_hit) cps_cp_async_wait_all();\n",
+     "            const bool spec_hit = spec;             // (spec: the first item holds keys)\n"),
+    ("                cps_mbar_arrive_cp_async(kfull + 8 * st);\n"
+     "                if (ptid == 0) {\n"
+     "                    s_pm[st] = (pg[0] < 0) | ((pg[1] < 0) << 1) | ((pg[2] < 0) << 2)\n"
+     "                               | ((pg[3] < 0) << 3);\n"
+     "                    cps_mbar_arrive(kfull + 8 * st);\n"
+     "                }\n",
+     "                if (ptid == 0) {\n"
+     "                    s_pm[st] = (pg[0] < 0) | ((pg[1] < 0) << 1) | ((pg[2] < 0) << 2)\n"
+     "                               | ((pg[3] < 0) << 3);\n"
+     "#pragma unroll\n"
+     "                    for (int pq = 0; pq < 4; ++pq) cps_mbar_arrive(kfull_page(st, pq));\n"
+     "                }\n"),
+    ("                    if (!spec_hit) issue_query(qs, row0);\n"
+     "                    // (This cp.async arrival waits for the stage's copies too: the math\n"
+     "                    // waits for both anyway.)\n"
+     "                    cps_mbar_arrive_cp_async(bar + 8 * qs);\n",
+     "                    if (!spec_hit) {\n"
+     "                        issue_query(qs, row0);\n"
+     "                        cps_mbar_arrive_cp_async(bar + 8 * qs);\n"
+     "                    }\n"),
+    # math warpgroup wg waits for its own page
+    ("            cps_mbar_wait(kfull + 8 * st, (kv / S) & 1);\n",
+     "            cps_mbar_wait(wg == 0 ? kfull + 8 * st : kfull_p + 8 * (S * (wg - 1) + st),\n"
+     "                          (kv / S) & 1);\n"),
+]
+# ... and the guessed first item's bounds, metadata and missing-page mask made at the early
+# issue, with their arrivals: neither page 0's barrier nor the query slot then waits for
+# the item loop (the first loop pass skips those stores and arrivals)
+_KFULL_PAGE_EARLY = _KFULL_PAGE + [
+    ("            issue_page(zero, 0, pg[0]);\n"
+     "            issue_query(zero, (long long)gb * NN);\n"
+     "            cps_mbar_arrive_cp_async(bar + 8 * zero);\n",
+     "            int g_end[NN], g_max = 0;\n"
+     "#pragma unroll\n"
+     "            for (int r = 0; r < NN; ++r) {\n"
+     "                g_end[r] = cps_wsd_kept_end<NN>(lens, lens_2d, s_ends, batch, gb, r, width);\n"
+     "                g_max = max(g_max, g_end[r]);\n"
+     "            }\n"
+     "            const int g_s1 = min(min(U, gs0 + piece_stages), p_end - gb * U);\n"
+     "            const int g_lo = gs0 * CPS_IDX_WS_KEYS;\n"
+     "            const int g_own_hi = min(g_s1 * CPS_IDX_WS_KEYS, width);\n"
+     "            const int g_hi = min(g_max, g_own_hi);\n"
+     "            const int g_thi = min(g_lo + (g_hi - g_lo + CPS_IDX_TILE - 1) / CPS_IDX_TILE\n"
+     "                                  * CPS_IDX_TILE, g_own_hi);\n"
+     "#pragma unroll\n"
+     "            for (int pq = 0; pq < 4; ++pq)\n"
+     "                if (g_lo + pq * CPS_IDX_TILE >= g_thi) pg[pq] = -1;\n"
+     "            issue_page(zero, 0, pg[0]);\n"
+     "            issue_query(zero, (long long)gb * NN);\n"
+     "            cps_mbar_arrive_cp_async(bar + 8 * zero);\n"
+     "            if (ptid < 32) {\n"
+     "                if (lane == 0) {\n"
+     "                    CpsIdxWsdMeta& m = meta[zero];\n"
+     "#pragma unroll\n"
+     "                    for (int r = 0; r < NN; ++r) m.hi[r] = g_end[r];\n"
+     "                    m.req = gb;\n"
+     "                    m.t_lo = g_lo;\n"
+     "                    m.t_hi = g_thi;\n"
+     "                    m.nst = (g_thi - g_lo + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;\n"
+     "                }\n"
+     "                cps_mbar_arrive(bar + 8 * zero);\n"
+     "            }\n"
+     "            if (ptid == 0) {\n"
+     "                s_pm[zero] = (pg[0] < 0) | ((pg[1] < 0) << 1) | ((pg[2] < 0) << 2)\n"
+     "                             | ((pg[3] < 0) << 3);\n"
+     "#pragma unroll\n"
+     "                for (int pq = 0; pq < 4; ++pq) cps_mbar_arrive(kfull_page(zero, pq));\n"
+     "            }\n"),
+    ("                if (ptid == 0) {\n"
+     "                    s_pm[st] = ",
+     "                if (ptid == 0 && (!spec_hit || j > 0)) {\n"
+     "                    s_pm[st] = "),
+    ("                if (j == 0) {\n", "                if (j == 0 && !spec_hit) {\n"),
+]
+VARIANTS = {"kfull_per_page": _KFULL_PAGE, "kfull_per_page_early": _KFULL_PAGE_EARLY}
+# mbarriers a stage each variant adds to the ws decode layout
+VARIANT_BARRIERS = {"kfull_per_page": 3, "kfull_per_page_early": 3}
+
+
+def variant_source(source, name):
+    """The indexer module source ``source`` (raw_kernels.module_source("indexer"), its
+    #defines included) as variant ``name`` (VARIANTS): its substitutions, and the launch
+    shared memory the kernel's static_assert checks grown by its added mbarriers."""
+    from benchmarks import harness
+    from cpsparse.raw_kernels import indexer as ki
+    src = harness.substitute(source, VARIANTS[name], f"variant {name} of indexer.cu")
+    for define, fp4 in (("CPS_IDX_WSD_SMEM_LAUNCH", False), ("CPS_IDX_WSD_FP4_SMEM_LAUNCH", True)):
+        old = f"#define {define} {ki.WSD_SMEM[fp4]}\n"
+        src = harness.substitute(src, [(old, f"#define {define} "
+                                        f"{ki.WSD_SMEM[fp4] + variant_smem_extra(name, fp4)}\n")],
+                                 f"variant {name}'s launch shared memory")
+    return src
+
+
+def variant_smem_extra(name, fp4):
+    """Bytes of shared memory variant ``name`` adds to the ws decode CTA (fp4: MXFP4
+    keys, a ring of WSD_FP4_STAGES stages; else WS_STAGES)."""
+    from cpsparse.raw_kernels import indexer as ki
+    return 8 * VARIANT_BARRIERS.get(name, 0) * (ki.WSD_FP4_STAGES if fp4 else ki.WS_STAGES)
+
+
+@contextlib.contextmanager
+def variant_in_force(name):
+    """Launches inside run the ws decode kernels as variant ``name`` ("base": as they are),
+    with its launch shared memory."""
+    from benchmarks import harness
+    from cpsparse import raw_kernels
+    from cpsparse.raw_kernels import indexer as ki
+    if name == "base":
+        yield
+        return
+    src = variant_source(raw_kernels.module_source("indexer"), name)
+    saved = dict(ki.WSD_SMEM)
+    try:
+        for fp4 in (False, True):
+            ki.WSD_SMEM[fp4] += variant_smem_extra(name, fp4)
+        with harness.module_source_override("indexer", src, ki._PLANS, ki._PREFILL_LAUNCHES):
+            yield
+    finally:
+        ki.WSD_SMEM.update(saved)
+
+
+# (batch, context, next_n, MXFP4 keys) of the A/B: the decode rows of DESIGN section 12
+AB_SHAPES = ((1, 32768, 1, False), (1, 32768, 1, True), (8, 32768, 1, False),
+             (4, 131072, 1, False), (64, 32768, 1, False), (64, 32768, 2, False),
+             (64, 32768, 1, True), (256, 4096, 1, False))
+
+
+def ab(names, rounds=3, shapes=AB_SHAPES):
+    """The in-process A/B of the ws decode kernels as they are ("base") and as variants
+    ``names``: each compiled once, ``rounds`` rounds alternating the order, each shape a
+    CUDA-graph replay of 10 calls over 3 fresh input sets (timing.time_graph,
+    clean_logits=False); every variant's first output (poisoned with NaN) compared with the
+    base's bit for bit. Prints a line a shape; returns {shape: {name: [us a round]}} and
+    {shape: {name: bit-identical}}."""
+    import statistics
+
+    import cupy as cp
+    import numpy as np
+
+    from cpsparse import timing
+    from cpsparse.raw_kernels import indexer as ki
+    tags = ["base", *names]
+    cases = {}
+    for b, ctx, _, fp4 in shapes:
+        if (b, ctx, fp4) not in cases:
+            cases[b, ctx, fp4] = _decode_case(cp, b, ctx, mxfp4=fp4)
+    times = {s: {t: [] for t in tags} for s in shapes}
+    outs = {s: {} for s in shapes}
+    for rnd in range(rounds):
+        for tag in (tags if rnd % 2 == 0 else tags[::-1]):
+            with variant_in_force(tag):
+                for k, s in enumerate(shapes):
+                    b, ctx, next_n, fp4 = s
+                    fp8_cache, fp4_cache, table, queries = cases[b, ctx, fp4]
+                    cache = fp4_cache if fp4 else fp8_cache
+                    sets = []
+                    for i in range(3):                  # (the same inputs for every tag)
+                        cp.random.seed(1000 * k + i)
+                        sets.append(queries(next_n))
+
+                    def call(lens, q8, w, out):
+                        return ki.paged_mqa_logits(cp, q8, cache, w, lens, table, ctx, out=out,
+                                                   clean_logits=False)
+                    if rnd == 0:
+                        sets[0][3].fill(np.nan)
+                        call(*sets[0])
+                        outs[s][tag] = sets[0][3].get()
+                    t = timing.time_graph(call, sets, reps=10, warmup=3, iters=40)
+                    times[s][tag].append(t["median_ms"] * 1e3)
+    same = {s: {t: bool(np.array_equal(outs[s]["base"], outs[s][t], equal_nan=True))
+                for t in names} for s in shapes}
+    for s in shapes:
+        mb = statistics.median(times[s]["base"])
+        line = (f"B={s[0]} x {s[1]} next_n {s[2]} {'MXFP4' if s[3] else 'fp8'}: base "
+                f"{mb:.3f} us")
+        for t in names:
+            m = statistics.median(times[s][t])
+            line += f" | {t} {m:.3f} ({m / mb:.3f}{'' if same[s][t] else ', OUTPUT DIFFERS'})"
+        print(line, flush=True)
+    return times, same
+
+
 # mode -> (its file argument, reader, printer, what an empty read means)
 READERS = {"--parse": ("NCU_REPORT", parse, summary, "did ncu run?"),
            "--source": ("SOURCE_CSV", read_source, source_summary,
@@ -334,6 +611,16 @@ def main(argv):
     if argv[:1] == ["trace"]:
         sizes = [int(a) for a in argv[1:4]]
         trace(*sizes)
+        return 0
+    if argv[:1] == ["ab"]:
+        names = [a for a in argv[1:] if not a.startswith("--rounds=")]
+        rounds = [int(a.split("=")[1]) for a in argv[1:] if a.startswith("--rounds=")]
+        unknown = sorted(set(names) - set(VARIANTS))
+        if not names or unknown:
+            raise SystemExit("usage: python3 -m benchmarks.profile_indexer ab VARIANT... "
+                             f"[--rounds=N] (variants: {', '.join(VARIANTS)}; unknown: "
+                             f"{', '.join(unknown) or 'none'})")
+        ab(names, *rounds[-1:])
         return 0
     launch()
     return 0

@@ -277,23 +277,27 @@ def unwritten_uniform_reads(lines, opcode="LDGSTS"):
 
 
 @pytest.mark.slow
-def test_decode_copies_read_only_uniform_registers_written_before(tmp_path):
+@pytest.mark.parametrize("variant", [None, *sorted(profile_indexer.VARIANTS)])
+def test_decode_copies_read_only_uniform_registers_written_before(tmp_path, variant):
     # NVRTC 12.9 and 13.0 compiled the ws decode producer's early copies of ring slot 0
     # (cps_paged_ws_body, slot 0 as a literal) into LDGSTS whose shared base and L2 policy
     # came from uniform registers nothing wrote (`[R24+UR0+0x8000], desc[UR1]`): every
     # launch trapped on an H100 with an illegal instruction, and the compile itself was
     # clean (NVRTC 13.5 compiled it right). The kernels' cp.async copies must read only
     # uniform registers the kernel wrote before them.
+    # (and so must profile_indexer's variants of them, which the ab mode launches)
     tool = sass_diff.find_nvdisasm()
     if tool is None:
         pytest.skip("needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
-    found = _sass("indexer", None, tool, tmp_path)
+    source = None if variant is None else profile_indexer.variant_source(
+        raw_kernels.module_source("indexer"), variant)
+    found = _sass("indexer", source, tool, tmp_path)
     ws = [k for k in found if k.startswith("cps_paged_mqa_logits_") and "_ws_" in k]
     assert len(ws) == 4, sorted(found)
     for name in ws:
         assert any(line.startswith("LDGSTS") for line in found[name]), name
         bad = unwritten_uniform_reads(found[name])
-        assert not bad, f"{name} (NVRTC {NVRTC_VERSION}): {bad[:3]}"
+        assert not bad, f"{name} {variant or ''} (NVRTC {NVRTC_VERSION}): {bad[:3]}"
 
 
 def test_unwritten_uniform_reads_reads_destinations_and_pairs():
@@ -319,6 +323,21 @@ def test_indexer_trace_compiles_like_the_kernel():
     reports = kernel_reports(log)
     for name in ("cps_paged_mqa_logits_ws_h64n1", "cps_paged_mqa_logits_ws_h64n2"):
         assert reports[name][1:] == (0, 0, 0), f"traced {name} uses local memory {reports[name]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(profile_indexer.VARIANTS))
+def test_indexer_variants_compile_like_the_kernel(variant):
+    # profile_indexer ab times these against the kernels: spilling, they would time
+    # something else than the change they name.
+    src = profile_indexer.variant_source(raw_kernels.module_source("indexer"), variant)
+    ok, log = compile_module("indexer", source=src)
+    assert ok, log
+    reports = kernel_reports(log)
+    ws = [k for k in reports if k.startswith("cps_paged_mqa_logits_") and "_ws_" in k]
+    assert len(ws) == 4, sorted(reports)
+    for name in ws:
+        assert reports[name][1:] == (0, 0, 0), f"{variant}: {name} uses local memory {reports[name]}"
 
 
 def test_page_landing_probe_compiles_like_the_kernels():

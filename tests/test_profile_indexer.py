@@ -144,3 +144,35 @@ def test_trace_stamps_hit_the_kernel_once_and_summarize_per_cta(monkeypatch):
     assert summary["ids_stored_us"] == 0.7 and summary["q_issued_us"] == 0.9
     assert summary["guess_issued_us"] == 0.6          # over the CTAs that stamped it
     assert summary["entry_spread_us"] == 2.0
+
+
+def test_variants_grow_the_launch_shared_memory_by_their_barriers_and_restore_it():
+    from cpsparse import raw_kernels
+    from cpsparse.raw_kernels import indexer as ki
+    base = raw_kernels.module_source("indexer")
+    before = dict(ki.WSD_SMEM)
+    for name in P.VARIANTS:
+        extra = {fp4: 8 * 3 * (ki.WSD_FP4_STAGES if fp4 else ki.WS_STAGES)
+                 for fp4 in (False, True)}
+        assert {fp4: P.variant_smem_extra(name, fp4) for fp4 in (False, True)} == extra
+        src = P.variant_source(base, name)
+        assert f"#define CPS_IDX_WSD_SMEM_LAUNCH {before[False] + extra[False]}\n" in src
+        assert f"#define CPS_IDX_WSD_FP4_SMEM_LAUNCH {before[True] + extra[True]}\n" in src
+        assert "OFF_PM = OFF_BAR + (4 + 5 * S) * 8" in src and "kfull_page" in src
+        with P.variant_in_force(name):
+            assert raw_kernels.module_source("indexer") == src
+            assert ki.WSD_SMEM == {fp4: before[fp4] + extra[fp4] for fp4 in (False, True)}
+        assert ki.WSD_SMEM == before and raw_kernels.module_source("indexer") == base
+    with P.variant_in_force("base"):
+        assert raw_kernels.module_source("indexer") == base and ki.WSD_SMEM == before
+    # the early variant is the per-page one and more
+    early = P.variant_source(base, "kfull_per_page_early")
+    assert "m.t_hi = g_thi;" in early and "m.t_hi = g_thi;" not in P.variant_source(
+        base, "kfull_per_page")
+
+
+def test_ab_refuses_unknown_or_missing_variants():
+    with pytest.raises(SystemExit, match="unknown: nope"):
+        P.main(["ab", "kfull_per_page", "nope"])
+    with pytest.raises(SystemExit, match="usage"):
+        P.main(["ab"])
