@@ -482,9 +482,18 @@ _KFULL_PAGE_EARLY = _KFULL_PAGE + [
      "                    s_pm[st] = "),
     ("                if (j == 0) {\n", "                if (j == 0 && !spec_hit) {\n"),
 ]
-VARIANTS = {"kfull_per_page": _KFULL_PAGE, "kfull_per_page_early": _KFULL_PAGE_EARLY}
+# ... and the early slot warp-uniform to ptxas (a shuffle from lane 0: the early arrivals'
+# barrier addresses then sit in uniform registers, where the opaque zero alone had ptxas
+# wrap each arrival in a loop over the warp's distinct addresses, R2UR ... BRA.U.ANY)
+_KFULL_PAGE_EARLY_UNIFORM = _KFULL_PAGE_EARLY + [
+    ("            const int zero = (int)cps_opaque_zero();\n",
+     "            const int zero = __shfl_sync(0xffffffffu, (int)cps_opaque_zero(), 0);\n"),
+]
+VARIANTS = {"kfull_per_page": _KFULL_PAGE, "kfull_per_page_early": _KFULL_PAGE_EARLY,
+            "kfull_per_page_early_uniform": _KFULL_PAGE_EARLY_UNIFORM}
 # mbarriers a stage each variant adds to the ws decode layout
-VARIANT_BARRIERS = {"kfull_per_page": 3, "kfull_per_page_early": 3}
+VARIANT_BARRIERS = {"kfull_per_page": 3, "kfull_per_page_early": 3,
+                    "kfull_per_page_early_uniform": 3}
 
 
 def variant_source(source, name):
