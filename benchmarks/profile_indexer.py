@@ -435,7 +435,10 @@ _KFULL_PAGE = [
 ]
 # ... and the guessed first item's bounds, metadata and missing-page mask made at the early
 # issue, with their arrivals: neither page 0's barrier nor the query slot then waits for
-# the item loop (the first loop pass skips those stores and arrivals)
+# the item loop (the first loop pass skips those stores and arrivals). The early bounds
+# repeat the loop's formulas (own_lo, own_hi, t_hi, nst, the kept ends): a change to one
+# not made to the other would miscount the barriers (a hang, not an error). Folded into
+# the kernel, they must be one helper.
 _KFULL_PAGE_EARLY = _KFULL_PAGE + [
     ("            issue_page(zero, 0, pg[0]);\n"
      "            issue_query(zero, (long long)gb * NN);\n"
