@@ -28,7 +28,8 @@ without it ncu locks the SMs near 1.3 GHz.
 kernels as they are against source variants of them (VARIANTS) in one process, on
 AB_SHAPES, outputs compared bit for bit (``ab``).
 
-``python3 -m benchmarks.profile_indexer trace [B CTX NEXT_N]`` (default 1 32768 1; ``bash
+``python3 -m benchmarks.profile_indexer trace [B CTX NEXT_N] [--variant=NAME]`` (default
+1 32768 1, the kernel as it is; ``bash
 tools/gpu_check.sh profile`` runs it) instead launches the fp8 ws decode kernel with
 clock64 stamps (TRACE) and prints, as medians over the CTAs, when each CTA's producer had
 its share, issued the guessed first item's first stage and query block (``guess_issued``,
@@ -37,7 +38,9 @@ query slot's barriers (``first_copies``, ``q_issued``: the copies' issue itself 
 guess missed), when math warpgroup 0 saw the query slot and the first stage full, finished
 its first item and left, and when the producer left, all in us after the CTA's entry; and
 the spread of the CTAs' entries (globaltimer): where a B=1 launch (4.2-4.3 us on an H100,
-DeepGEMM's 3.9-4.1) spends its time.
+DeepGEMM's 3.9-4.1) spends its time. ``--variant=NAME`` traces source variant NAME of
+VARIANTS instead (the early variants skip ``first_copies`` for a first item whose
+arrivals they made at the early issue; ``math_k_full`` is then warpgroup 0's page).
 """
 
 import contextlib
@@ -227,21 +230,23 @@ TRACE = [
     ("            lens, lens_2d, batch, width, ptid, share, s_ends, pre, guess);\n",
      "            lens, lens_2d, batch, width, ptid, share, s_ends, pre, guess);\n"
      "        if (ptid == 0) cps_wsd_trace_at(1);\n"),
-    ("                cps_mbar_arrive_cp_async(kfull + 8 * st);\n                if (ptid == 0) {\n",
-     "                cps_mbar_arrive_cp_async(kfull + 8 * st);\n"
-     "                if (ptid == 0 && kv == 0) cps_wsd_trace_at(2);\n"
-     "                if (ptid == 0) {\n"),
+    # (first_copies and math_k_full anchor on lines VARIANTS keep: traces of them too)
+    ("                    s_pm[st] = (pg[0] < 0) | ((pg[1] < 0) << 1) | ((pg[2] < 0) << 2)\n",
+     "                    if (kv == 0) cps_wsd_trace_at(2);\n"
+     "                    s_pm[st] = (pg[0] < 0) | ((pg[1] < 0) << 1) | ((pg[2] < 0) << 2)\n"),
     ("        const CpsIdxWsdMeta& m = meta[qs];\n        const int b = m.req;\n"
      "        if (b < 0) break;",
      "        if (tid == 0 && it == 0) cps_wsd_trace_at(3);\n"
      "        const CpsIdxWsdMeta& m = meta[qs];\n        const int b = m.req;\n"
      "        if (b < 0 && tid == 0) cps_wsd_trace_at(6);\n"
      "        if (b < 0) break;"),
-    ("            cps_mbar_wait(kfull + 8 * st, (kv / S) & 1);\n"
-     "            const int t0 = t_lo + j * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg;\n",
-     "            cps_mbar_wait(kfull + 8 * st, (kv / S) & 1);\n"
+    ("            const int t0 = t_lo + j * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg;\n"
+     "            const bool live = t0 < t_hi;               // (uniform in the warpgroup)\n"
+     "            const bool missing = (s_pm[st] >> wg) & 1;\n",
      "            if (tid == 0 && kv == 0) cps_wsd_trace_at(4);\n"
-     "            const int t0 = t_lo + j * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg;\n"),
+     "            const int t0 = t_lo + j * CPS_IDX_WS_KEYS + CPS_IDX_TILE * wg;\n"
+     "            const bool live = t0 < t_hi;               // (uniform in the warpgroup)\n"
+     "            const bool missing = (s_pm[st] >> wg) & 1;\n"),
     ("        cps_mbar_arrive(bar + 16 + 8 * qs);\n    }\n}\n\n// _h64n1 / _h64n2",
      "        if (tid == 0 && it == 0) cps_wsd_trace_at(5);\n"
      "        cps_mbar_arrive(bar + 16 + 8 * qs);\n    }\n}\n\n// _h64n1 / _h64n2"),
@@ -284,19 +289,17 @@ def trace_summary(stamps, gtimer, mhz):
     return out
 
 
-def trace(batch=1, ctx=32768, next_n=1):
-    """One traced launch of the fp8 ws decode kernel (after warm-up launches), printed as
-    trace_summary; returns it."""
+def trace(batch=1, ctx=32768, next_n=1, variant="base"):
+    """One traced launch of the fp8 ws decode kernel (after warm-up launches; as source
+    variant ``variant`` of VARIANTS, or as it is), printed as trace_summary; returns it."""
     import cupy as cp
 
-    from benchmarks import harness
     from cpsparse import raw_kernels
     from cpsparse.raw_kernels import indexer as ki
 
     cache, _, table, queries = _decode_case(cp, batch, ctx)
     lens, q8, w, out = queries(next_n)
-    src = trace_source(raw_kernels.module_source("indexer"))
-    with harness.module_source_override("indexer", src, ki._PLANS, ki._PREFILL_LAUNCHES):
+    with variant_in_force(variant, trace_source):
         plan = ki.paged_plan(batch, next_n, HEADS, DIM, ctx, BLOCK)
         if plan[2].name != ki.ws_kernel_name(next_n, False):
             raise RuntimeError(f"the plan picked {plan[2].name}, not a ws kernel")
@@ -313,7 +316,7 @@ def trace(batch=1, ctx=32768, next_n=1):
         cp.cuda.runtime.deviceSynchronize()
         mhz = cp.cuda.Device().attributes["ClockRate"] / 1e3
         summary = trace_summary(stamps.get(), gtimer.get().astype("int64"), mhz)
-    print(f"trace B={batch} ctx={ctx} next_n={next_n} (SM clock {mhz:.0f} MHz): " + ", ".join(
+    print(f"trace {variant} B={batch} ctx={ctx} next_n={next_n} (SM clock {mhz:.0f} MHz): " + ", ".join(
         f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()),
         flush=True)
     return summary
@@ -522,16 +525,19 @@ def variant_smem_extra(name, fp4):
 
 
 @contextlib.contextmanager
-def variant_in_force(name):
+def variant_in_force(name, transform=None):
     """Launches inside run the ws decode kernels as variant ``name`` ("base": as they are),
-    with its launch shared memory."""
+    with its launch shared memory; ``transform`` (source -> source, e.g. trace_source)
+    applied after the variant's substitutions."""
     from benchmarks import harness
     from cpsparse import raw_kernels
     from cpsparse.raw_kernels import indexer as ki
-    if name == "base":
+    if name == "base" and transform is None:
         yield
         return
-    src = variant_source(raw_kernels.module_source("indexer"), name)
+    src = raw_kernels.module_source("indexer")
+    src = src if name == "base" else variant_source(src, name)
+    src = src if transform is None else transform(src)
     saved = dict(ki.WSD_SMEM)
     try:
         for fp4 in (False, True):
@@ -621,8 +627,12 @@ def main(argv):
         print(show(report))
         return 0
     if argv[:1] == ["trace"]:
-        sizes = [int(a) for a in argv[1:4]]
-        trace(*sizes)
+        sizes = [int(a) for a in argv[1:] if not a.startswith("--variant=")]
+        variants = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("--variant=")]
+        for v in variants:
+            if v not in VARIANTS:
+                raise SystemExit(f"unknown variant {v} (variants: {', '.join(VARIANTS)})")
+        trace(*sizes[:3], *variants[-1:])
         return 0
     if argv[:1] == ["ab"]:
         names = [a for a in argv[1:] if not a.startswith("--rounds=")]

@@ -314,10 +314,15 @@ def test_unwritten_uniform_reads_reads_destinations_and_pairs():
 
 
 @pytest.mark.slow
-def test_indexer_trace_compiles_like_the_kernel():
-    # The ws decode trace (benchmarks.profile_indexer trace) times the fp8 kernels it
-    # launches only if the stamps leave them without local memory.
-    src = profile_indexer.trace_source(raw_kernels.module_source("indexer"))
+@pytest.mark.parametrize("variant", [None, *[pytest.param(v, marks=pytest.mark.slow)
+                                             for v in sorted(profile_indexer.VARIANTS)]])
+def test_indexer_trace_compiles_like_the_kernel(variant):
+    # The ws decode trace (benchmarks.profile_indexer trace [--variant=NAME]) times the fp8
+    # kernels it launches only if the stamps leave them without local memory.
+    src = raw_kernels.module_source("indexer")
+    if variant is not None:
+        src = profile_indexer.variant_source(src, variant)
+    src = profile_indexer.trace_source(src)
     ok, log = compile_module("indexer", source=src)
     assert ok, log
     reports = kernel_reports(log)

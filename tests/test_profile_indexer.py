@@ -131,6 +131,9 @@ def test_trace_stamps_hit_the_kernel_once_and_summarize_per_cta(monkeypatch):
     from cpsparse import raw_kernels
     src = P.trace_source(raw_kernels.module_source("indexer"))
     assert src.count("cps_wsd_trace_at(") == len(P.TRACE_EVENTS) + 1     # + its definition
+    for name in P.VARIANTS:                           # (trace --variant=NAME)
+        src = P.trace_source(P.variant_source(raw_kernels.module_source("indexer"), name))
+        assert src.count("cps_wsd_trace_at(") == len(P.TRACE_EVENTS) + 1, name
     monkeypatch.setattr(P, "TRACE", P.TRACE + [("no such text in indexer.cu", "")])
     with pytest.raises(ValueError, match="expected one occurrence"):
         P.trace_source(raw_kernels.module_source("indexer"))
@@ -165,6 +168,13 @@ def test_variants_grow_the_launch_shared_memory_by_their_barriers_and_restore_it
         assert ki.WSD_SMEM == before and raw_kernels.module_source("indexer") == base
     with P.variant_in_force("base"):
         assert raw_kernels.module_source("indexer") == base and ki.WSD_SMEM == before
+    with P.variant_in_force("base", P.trace_source):      # (trace: the stamps alone)
+        assert raw_kernels.module_source("indexer") == P.trace_source(base)
+        assert ki.WSD_SMEM == before
+    traced = P.trace_source(P.variant_source(base, "kfull_per_page"))
+    with P.variant_in_force("kfull_per_page", P.trace_source):
+        assert raw_kernels.module_source("indexer") == traced
+    assert ki.WSD_SMEM == before and raw_kernels.module_source("indexer") == base
     # the early variant is the per-page one and more
     early = P.variant_source(base, "kfull_per_page_early")
     assert "m.t_hi = g_thi;" in early and "m.t_hi = g_thi;" not in P.variant_source(
@@ -176,3 +186,5 @@ def test_ab_refuses_unknown_or_missing_variants():
         P.main(["ab", "kfull_per_page", "nope"])
     with pytest.raises(SystemExit, match="usage"):
         P.main(["ab"])
+    with pytest.raises(SystemExit, match="unknown variant nope"):
+        P.main(["trace", "1", "32768", "1", "--variant=nope"])
