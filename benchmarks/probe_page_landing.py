@@ -170,6 +170,7 @@ def run(check=False, mhz=1980.0, launches=20):
     import cupy as cp
     import numpy as np
 
+    from benchmarks import harness
     mod = cp.RawModule(code=source(), options=("-arch=sm_90a", "-std=c++17"))
     kernel = mod.get_function("cps_probe_land_pages")
     kernel.max_dynamic_shared_size_bytes = SMEM
@@ -178,7 +179,7 @@ def run(check=False, mhz=1980.0, launches=20):
     pages = cp.random.permutation(PAGES)[:4 * CTAS].astype(cp.int32)
     stamps = cp.zeros((CTAS, 5), cp.int64)
     per_cta = SLOT + 4 * KEYS * 4
-    result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "mhz": mhz}
+    result = {"device": harness.device_info()["device"], "mhz": mhz}
 
     def launch(mode, out, keep):
         kernel((CTAS,), (256,), (tmap, cache, pages, stamps, out, np.int32(mode),

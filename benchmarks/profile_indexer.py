@@ -324,9 +324,9 @@ def trace(batch=1, ctx=32768, next_n=1, variant="base"):
 
 # ---- variants of the ws decode kernels, and their in-process A/B ------------------------
 # Each (anchor, replacement) must hit indexer.cu once, in order (harness.substitute; the
-# CPU test compiles each variant without spills). A variant that adds mbarriers names how
-# many a stage (VARIANT_BARRIERS): its layout's shared memory grows by 8 of them a stage,
-# in the launch and in the #defines the kernel's static_assert checks.
+# CPU test compiles each variant without spills). A variant that adds mbarriers a stage
+# (its CpsWsdLayout's OFF_PM line: 4 + N S of them, the kernel's N = 2) grows the layout's
+# shared memory by 8 bytes each, in the launch and in the #defines its static_assert checks.
 _KFULL_PAGE = [
     # three more KFULL barriers a stage, page-major after the stages' own (page 0's):
     # page p >= 1 of stage st at kfull_p + 8 (S (p - 1) + st)
@@ -497,9 +497,8 @@ _KFULL_PAGE_EARLY_UNIFORM = _KFULL_PAGE_EARLY + [
 ]
 VARIANTS = {"kfull_per_page": _KFULL_PAGE, "kfull_per_page_early": _KFULL_PAGE_EARLY,
             "kfull_per_page_early_uniform": _KFULL_PAGE_EARLY_UNIFORM}
-# mbarriers a stage each variant adds to the ws decode layout
-VARIANT_BARRIERS = {"kfull_per_page": 3, "kfull_per_page_early": 3,
-                    "kfull_per_page_early_uniform": 3}
+# CpsWsdLayout's mbarrier count: 4 + N S (QFULL, QEMPTY; N a stage)
+_LAYOUT_BARRIERS = re.compile(r"OFF_PM = OFF_BAR \+ \(4 \+ (\d+) \* S\) \* 8;")
 
 
 def variant_source(source, name):
@@ -518,10 +517,18 @@ def variant_source(source, name):
 
 
 def variant_smem_extra(name, fp4):
-    """Bytes of shared memory variant ``name`` adds to the ws decode CTA (fp4: MXFP4
-    keys, a ring of WSD_FP4_STAGES stages; else WS_STAGES)."""
+    """Bytes of shared memory variant ``name`` ("base": none) adds to the ws decode CTA
+    (fp4: MXFP4 keys, a ring of WSD_FP4_STAGES stages; else WS_STAGES): 8 a stage for
+    each mbarrier a stage its layout has beyond the kernel's, read from both sources."""
+    from benchmarks import harness
+    from cpsparse import raw_kernels
     from cpsparse.raw_kernels import indexer as ki
-    return 8 * VARIANT_BARRIERS.get(name, 0) * (ki.WSD_FP4_STAGES if fp4 else ki.WS_STAGES)
+    if name == "base":
+        return 0
+    source = raw_kernels.module_source("indexer")
+    per_stage = [int(_LAYOUT_BARRIERS.search(src).group(1)) for src in (
+        source, harness.substitute(source, VARIANTS[name], f"variant {name} of indexer.cu"))]
+    return 8 * (per_stage[1] - per_stage[0]) * (ki.WSD_FP4_STAGES if fp4 else ki.WS_STAGES)
 
 
 @contextlib.contextmanager
