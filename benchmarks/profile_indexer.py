@@ -32,8 +32,8 @@ AB_SHAPES, outputs compared bit for bit (``ab``).
 1 32768 1, the kernel as it is; ``bash
 tools/gpu_check.sh profile`` runs it) instead launches the fp8 ws decode kernel with
 clock64 stamps (TRACE) and prints, as medians over the CTAs, when each CTA's producer had
-its share, issued the guessed first item's first stage and query block (``guess_issued``,
-where the guess hit), stored the guessed page ids, arrived on the first stage's and the
+its share, started and finished issuing the guessed first item's first stage and query
+block (``guess_start``, ``guess_issued``, where the guess hit), stored the guessed page ids, arrived on the first stage's and the
 query slot's barriers (``first_copies``, ``q_issued``: the copies' issue itself where the
 guess missed), when math warpgroup 0 saw the query slot and the first stage full, finished
 its first item and left, and when the producer left, all in us after the CTA's entry; and
@@ -210,7 +210,7 @@ def launch():
 TRACE_CTAS = 132
 TRACE_EVENTS = ("entry", "share_done", "first_copies", "math_q_full", "math_k_full",
                 "math_first_item", "math_exit", "producer_exit", "ids_stored", "q_issued",
-                "guess_issued")
+                "guess_issued", "guess_start")
 TRACE = [
     ("constexpr int CPS_IDX_WSD_ENDS_CAP = CPS_IDX_WS_THREADS;",
      f"__device__ long long cps_wsd_trace[{TRACE_CTAS}][{len(TRACE_EVENTS)}];\n"
@@ -259,6 +259,9 @@ TRACE = [
     ("            issue_query(zero, (long long)gb * NN);\n",
      "            issue_query(zero, (long long)gb * NN);\n"
      "            if (ptid == 0) cps_wsd_trace_at(10);\n"),
+    ("        bool spec = ids_ready;\n",
+     "        bool spec = ids_ready;\n"
+     "        if (ptid == 0) cps_wsd_trace_at(11);\n"),
     ("        if (ptid == 0) meta[qs].req = -1;\n",
      "        if (ptid == 0) meta[qs].req = -1;\n"
      "        if (ptid == 0) cps_wsd_trace_at(7);\n"),
@@ -323,10 +326,69 @@ def trace(batch=1, ctx=32768, next_n=1, variant="base"):
 
 
 # ---- variants of the ws decode kernels, and their in-process A/B ------------------------
+# The guessed first item's bounds at the early issue, as the item loop computes them
+# (own_lo, own_hi, t_hi, nst from the kept window ends), and its stage's pages past them
+# dropped (-1, never read: the loop's pg). A change to the loop's formulas not made here
+# would miscount the barriers (a hang, not an error): folded into the kernel, they must be
+# one helper with the loop's.
+_EARLY_BOUNDS = (
+     "            int g_end[NN], g_max = 0;\n"
+     "#pragma unroll\n"
+     "            for (int r = 0; r < NN; ++r) {\n"
+     "                g_end[r] = cps_wsd_kept_end<NN>(lens, lens_2d, s_ends, batch, gb, r, width);\n"
+     "                g_max = max(g_max, g_end[r]);\n"
+     "            }\n"
+     "            const int g_s1 = min(min(U, gs0 + piece_stages), p_end - gb * U);\n"
+     "            const int g_lo = gs0 * CPS_IDX_WS_KEYS;\n"
+     "            const int g_own_hi = min(g_s1 * CPS_IDX_WS_KEYS, width);\n"
+     "            const int g_hi = min(g_max, g_own_hi);\n"
+     "            const int g_thi = min(g_lo + (g_hi - g_lo + CPS_IDX_TILE - 1) / CPS_IDX_TILE\n"
+     "                                  * CPS_IDX_TILE, g_own_hi);\n"
+     "#pragma unroll\n"
+     "            for (int pq = 0; pq < 4; ++pq)\n"
+     "                if (g_lo + pq * CPS_IDX_TILE >= g_thi) pg[pq] = -1;\n")
+# The guessed item's metadata written and the query slot's metadata arrivals (warp 0),
+# and its missing-page mask (thread 0), at the early issue; KFULL_ARRIVE: the mask's
+# arrival(s) on the stage's KFULL barrier(s).
+def _early_meta(kfull_arrive):
+    return ("            if (ptid < 32) {\n"
+            "                if (lane == 0) {\n"
+            "                    CpsIdxWsdMeta& m = meta[zero];\n"
+            "#pragma unroll\n"
+            "                    for (int r = 0; r < NN; ++r) m.hi[r] = g_end[r];\n"
+            "                    m.req = gb;\n"
+            "                    m.t_lo = g_lo;\n"
+            "                    m.t_hi = g_thi;\n"
+            "                    m.nst = (g_thi - g_lo + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;\n"
+            "                }\n"
+            "                cps_mbar_arrive(bar + 8 * zero);\n"
+            "            }\n"
+            "            if (ptid == 0) {\n"
+            "                s_pm[zero] = (pg[0] < 0) | ((pg[1] < 0) << 1) | ((pg[2] < 0) << 2)\n"
+            "                             | ((pg[3] < 0) << 3);\n"
+            + kfull_arrive +
+            "            }\n")
+
+
 # Each (anchor, replacement) must hit indexer.cu once, in order (harness.substitute; the
 # CPU test compiles each variant without spills). A variant that adds mbarriers a stage
 # (its CpsWsdLayout's OFF_PM line: 4 + N S of them, the kernel's N = 2) grows the layout's
 # shared memory by 8 bytes each, in the launch and in the #defines its static_assert checks.
+# The early stage only for a first item that holds keys (its early arrivals count on it)
+_EARLY_ONLY_WITH_KEYS = ("        bool spec = ids_ready;\n        if (spec) {\n",
+     "        bool spec = ids_ready;\n"
+     "        if (spec && !full) {\n"
+     "            int end = 0;\n"
+     "#pragma unroll\n"
+     "            for (int r = 0; r < NN; ++r)\n"
+     "                end = max(end, cps_wsd_kept_end<NN>(lens, lens_2d, s_ends, batch, gb, r, width));\n"
+     "            spec = end > gs0 * CPS_IDX_WS_KEYS;\n"
+     "        }\n"
+     "        if (spec) {\n")
+# The first item is the guessed one where the early stage went out (it holds keys)
+_SPEC_HIT_IS_SPEC = ("            const bool spec_hit = spec && ids_ready;\n"
+     "            if (spec && !spec_hit) cps_cp_async_wait_all();\n",
+     "            const bool spec_hit = spec;             // (spec: the first item holds keys)\n")
 _KFULL_PAGE = [
     # three more KFULL barriers a stage, page-major after the stages' own (page 0's):
     # page p >= 1 of stage st at kfull_p + 8 (S (p - 1) + st)
@@ -392,25 +454,14 @@ _KFULL_PAGE = [
      "        };\n"),
     # the early stage only for a first item that holds keys (its arrivals go out with it);
     # page 0, the query block and its QFULL cp.async arrival, then pages 1-3
-    ("        bool spec = ids_ready;\n        if (spec) {\n",
-     "        bool spec = ids_ready;\n"
-     "        if (spec && !full) {\n"
-     "            int end = 0;\n"
-     "#pragma unroll\n"
-     "            for (int r = 0; r < NN; ++r)\n"
-     "                end = max(end, cps_wsd_kept_end<NN>(lens, lens_2d, s_ends, batch, gb, r, width));\n"
-     "            spec = end > gs0 * CPS_IDX_WS_KEYS;\n"
-     "        }\n"
-     "        if (spec) {\n"),
+    _EARLY_ONLY_WITH_KEYS,
     ("            issue_stage(zero, pg);\n            issue_query(zero, (long long)gb * NN);\n",
      "            issue_page(zero, 0, pg[0]);\n"
      "            issue_query(zero, (long long)gb * NN);\n"
      "            cps_mbar_arrive_cp_async(bar + 8 * zero);\n"
      "#pragma unroll\n"
      "            for (int pq = 1; pq < 4; ++pq) issue_page(zero, pq, pg[pq]);\n"),
-    ("            const bool spec_hit = spec && ids_ready;\n"
-     "            if (spec && !spec_hit) cps_cp_async_wait_all();\n",
-     "            const bool spec_hit = spec;             // (spec: the first item holds keys)\n"),
+    _SPEC_HIT_IS_SPEC,
     ("                cps_mbar_arrive_cp_async(kfull + 8 * st);\n"
      "                if (ptid == 0) {\n"
      "                    s_pm[st] = (pg[0] < 0) | ((pg[1] < 0) << 1) | ((pg[2] < 0) << 2)\n"
@@ -446,42 +497,12 @@ _KFULL_PAGE_EARLY = _KFULL_PAGE + [
     ("            issue_page(zero, 0, pg[0]);\n"
      "            issue_query(zero, (long long)gb * NN);\n"
      "            cps_mbar_arrive_cp_async(bar + 8 * zero);\n",
-     "            int g_end[NN], g_max = 0;\n"
-     "#pragma unroll\n"
-     "            for (int r = 0; r < NN; ++r) {\n"
-     "                g_end[r] = cps_wsd_kept_end<NN>(lens, lens_2d, s_ends, batch, gb, r, width);\n"
-     "                g_max = max(g_max, g_end[r]);\n"
-     "            }\n"
-     "            const int g_s1 = min(min(U, gs0 + piece_stages), p_end - gb * U);\n"
-     "            const int g_lo = gs0 * CPS_IDX_WS_KEYS;\n"
-     "            const int g_own_hi = min(g_s1 * CPS_IDX_WS_KEYS, width);\n"
-     "            const int g_hi = min(g_max, g_own_hi);\n"
-     "            const int g_thi = min(g_lo + (g_hi - g_lo + CPS_IDX_TILE - 1) / CPS_IDX_TILE\n"
-     "                                  * CPS_IDX_TILE, g_own_hi);\n"
-     "#pragma unroll\n"
-     "            for (int pq = 0; pq < 4; ++pq)\n"
-     "                if (g_lo + pq * CPS_IDX_TILE >= g_thi) pg[pq] = -1;\n"
-     "            issue_page(zero, 0, pg[0]);\n"
-     "            issue_query(zero, (long long)gb * NN);\n"
-     "            cps_mbar_arrive_cp_async(bar + 8 * zero);\n"
-     "            if (ptid < 32) {\n"
-     "                if (lane == 0) {\n"
-     "                    CpsIdxWsdMeta& m = meta[zero];\n"
-     "#pragma unroll\n"
-     "                    for (int r = 0; r < NN; ++r) m.hi[r] = g_end[r];\n"
-     "                    m.req = gb;\n"
-     "                    m.t_lo = g_lo;\n"
-     "                    m.t_hi = g_thi;\n"
-     "                    m.nst = (g_thi - g_lo + CPS_IDX_WS_KEYS - 1) / CPS_IDX_WS_KEYS;\n"
-     "                }\n"
-     "                cps_mbar_arrive(bar + 8 * zero);\n"
-     "            }\n"
-     "            if (ptid == 0) {\n"
-     "                s_pm[zero] = (pg[0] < 0) | ((pg[1] < 0) << 1) | ((pg[2] < 0) << 2)\n"
-     "                             | ((pg[3] < 0) << 3);\n"
-     "#pragma unroll\n"
-     "                for (int pq = 0; pq < 4; ++pq) cps_mbar_arrive(kfull_page(zero, pq));\n"
-     "            }\n"),
+     _EARLY_BOUNDS
+     + "            issue_page(zero, 0, pg[0]);\n"
+       "            issue_query(zero, (long long)gb * NN);\n"
+       "            cps_mbar_arrive_cp_async(bar + 8 * zero);\n"
+     + _early_meta("#pragma unroll\n"
+                   "                for (int pq = 0; pq < 4; ++pq) cps_mbar_arrive(kfull_page(zero, pq));\n")),
     ("                if (ptid == 0) {\n"
      "                    s_pm[st] = ",
      "                if (ptid == 0 && (!spec_hit || j > 0)) {\n"
@@ -495,8 +516,32 @@ _KFULL_PAGE_EARLY_UNIFORM = _KFULL_PAGE_EARLY + [
     ("            const int zero = (int)cps_opaque_zero();\n",
      "            const int zero = __shfl_sync(0xffffffffu, (int)cps_opaque_zero(), 0);\n"),
 ]
+# The kernel's one KFULL barrier a stage, with only the early half of the above: the
+# guessed first item (issued early only where it holds keys) gets its bounds, metadata,
+# missing-page mask and every arrival of its stage and query slot at the early issue, and
+# the first loop pass makes none of them. (Does the stage wait for the loop's arrivals,
+# without the per-page barriers' issue cost?)
+_KFULL_EARLY = [
+    ("            const int gs0 = gpos - gb * U;\n", "            gs0 = gpos - gb * U;\n"),
+    ("        int gpos = -1, gid0 = -1, gid1 = -1, gb = 0, spg[4] = {-1, -1, -1, -1};\n",
+     "        int gpos = -1, gid0 = -1, gid1 = -1, gb = 0, gs0 = 0, spg[4] = {-1, -1, -1, -1};\n"),
+    _EARLY_ONLY_WITH_KEYS,
+    ("            issue_stage(zero, pg);\n            issue_query(zero, (long long)gb * NN);\n",
+     _EARLY_BOUNDS
+     + "            issue_stage(zero, pg);\n"
+       "            issue_query(zero, (long long)gb * NN);\n"
+       "            cps_mbar_arrive_cp_async(kfull + 8 * zero);\n"
+       "            cps_mbar_arrive_cp_async(bar + 8 * zero);\n"
+     + _early_meta("                cps_mbar_arrive(kfull + 8 * zero);\n")),
+    _SPEC_HIT_IS_SPEC,
+    ("                cps_mbar_arrive_cp_async(kfull + 8 * st);\n"
+     "                if (ptid == 0) {\n",
+     "                if (!spec_hit || j > 0) cps_mbar_arrive_cp_async(kfull + 8 * st);\n"
+     "                if (ptid == 0 && (!spec_hit || j > 0)) {\n"),
+    ("                if (j == 0) {\n", "                if (j == 0 && !spec_hit) {\n"),
+]
 VARIANTS = {"kfull_per_page": _KFULL_PAGE, "kfull_per_page_early": _KFULL_PAGE_EARLY,
-            "kfull_per_page_early_uniform": _KFULL_PAGE_EARLY_UNIFORM}
+            "kfull_per_page_early_uniform": _KFULL_PAGE_EARLY_UNIFORM, "kfull_early": _KFULL_EARLY}
 # CpsWsdLayout's mbarrier count: 4 + N S (QFULL, QEMPTY; N a stage)
 _LAYOUT_BARRIERS = re.compile(r"OFF_PM = OFF_BAR \+ \(4 \+ (\d+) \* S\) \* 8;")
 

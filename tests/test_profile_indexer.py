@@ -138,14 +138,15 @@ def test_trace_stamps_hit_the_kernel_once_and_summarize_per_cta(monkeypatch):
     with pytest.raises(ValueError, match="expected one occurrence"):
         P.trace_source(raw_kernels.module_source("indexer"))
     stamps = np.zeros((4, len(P.TRACE_EVENTS)), np.int64)
-    stamps[0] = [1000, 1500, 2000, 2500, 3000, 5000, 5200, 5100, 1700, 1900, 1600]
-    stamps[1] = [2000, 2600, 3000, 3600, 4000, 6000, 6400, 6100, 2700, 2900, 0]  # guess missed
+    stamps[0] = [1000, 1500, 2000, 2500, 3000, 5000, 5200, 5100, 1700, 1900, 1600, 1550]
+    stamps[1] = [2000, 2600, 3000, 3600, 4000, 6000, 6400, 6100, 2700, 2900, 0, 0]  # guess missed
     stamps[2, [0, 1, 7]] = [10, 20, 30]               # an empty share: no item
     summary = P.trace_summary(stamps, np.array([7000, 9000, 8000, 0]), mhz=1000.0)
     assert summary["ctas"] == 3 and summary["ctas_with_items"] == 2
     assert summary["share_done_us"] == 0.55 and summary["math_first_item_us"] == 4.0
     assert summary["ids_stored_us"] == 0.7 and summary["q_issued_us"] == 0.9
     assert summary["guess_issued_us"] == 0.6          # over the CTAs that stamped it
+    assert summary["guess_start_us"] == 0.55
     assert summary["entry_spread_us"] == 2.0
 
 
@@ -155,13 +156,14 @@ def test_variants_grow_the_launch_shared_memory_by_their_barriers_and_restore_it
     base = raw_kernels.module_source("indexer")
     before = dict(ki.WSD_SMEM)
     for name in P.VARIANTS:
-        extra = {fp4: 8 * 3 * (ki.WSD_FP4_STAGES if fp4 else ki.WS_STAGES)
+        per_page = name.startswith("kfull_per_page")   # (3 more KFULL barriers a stage)
+        extra = {fp4: 8 * 3 * per_page * (ki.WSD_FP4_STAGES if fp4 else ki.WS_STAGES)
                  for fp4 in (False, True)}
         assert {fp4: P.variant_smem_extra(name, fp4) for fp4 in (False, True)} == extra
         src = P.variant_source(base, name)
         assert f"#define CPS_IDX_WSD_SMEM_LAUNCH {before[False] + extra[False]}\n" in src
         assert f"#define CPS_IDX_WSD_FP4_SMEM_LAUNCH {before[True] + extra[True]}\n" in src
-        assert "OFF_PM = OFF_BAR + (4 + 5 * S) * 8" in src and "kfull_page" in src
+        assert ("OFF_PM = OFF_BAR + (4 + 5 * S) * 8" in src and "kfull_page" in src) == per_page
         with P.variant_in_force(name):
             assert raw_kernels.module_source("indexer") == src
             assert ki.WSD_SMEM == {fp4: before[fp4] + extra[fp4] for fp4 in (False, True)}
