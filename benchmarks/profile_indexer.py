@@ -26,7 +26,10 @@ without it ncu locks the SMs near 1.3 GHz.
 
 ``python3 -m benchmarks.profile_indexer ab VARIANT... [--rounds=N]`` times the ws decode
 kernels as they are against source variants of them (VARIANTS) in one process, on
-AB_SHAPES, outputs compared bit for bit (``ab``).
+AB_SHAPES, outputs compared bit for bit (``ab``). It prints each round as it completes;
+on an H100, one variant for two rounds did not finish in 160 s (each source compiles in
+about 20 s there, and the inputs of the B=64 shapes take a while to make): give it at
+least 300 s.
 
 ``python3 -m benchmarks.profile_indexer trace [B CTX NEXT_N] [--variant=NAME]`` (default
 1 32768 1, the kernel as it is; ``bash
@@ -540,8 +543,23 @@ _KFULL_EARLY = [
      "                if (ptid == 0 && (!spec_hit || j > 0)) {\n"),
     ("                if (j == 0) {\n", "                if (j == 0 && !spec_hit) {\n"),
 ]
+# The math warpgroups parked on named barrier 2 (in hardware: no instruction issued) until
+# the producer has issued the guessed first item (or found it missed): in the B=1 trace
+# the producer took 0.14 us from its share to the early issue (a few divisions) and 0.49
+# us to issue 23 copies a thread, where the bare probe issued its stage in about 0.15 us;
+# meanwhile 16 math warps, four beside each producer warp on its scheduler, poll the
+# query slot's mbarrier. Does their polling take the producer's issue slots?
+_MATH_PARKED = [
+    ("        if (ids_ready) {\n            if (!full) asm volatile(\"bar.sync 1, 128;\\n\" ::: \"memory\");\n",
+     "        asm volatile(\"bar.arrive 2, %0;\\n\" ::\"n\"(CPS_IDX_WS_THREADS) : \"memory\");\n"
+     "        if (ids_ready) {\n            if (!full) asm volatile(\"bar.sync 1, 128;\\n\" ::: \"memory\");\n"),
+    ("    cps_setmaxnreg_inc<CPS_IDX_WSD_MREGS>();\n",
+     "    cps_setmaxnreg_inc<CPS_IDX_WSD_MREGS>();\n"
+     "    asm volatile(\"bar.sync 2, %0;\\n\" ::\"n\"(CPS_IDX_WS_THREADS) : \"memory\");\n"),
+]
 VARIANTS = {"kfull_per_page": _KFULL_PAGE, "kfull_per_page_early": _KFULL_PAGE_EARLY,
-            "kfull_per_page_early_uniform": _KFULL_PAGE_EARLY_UNIFORM, "kfull_early": _KFULL_EARLY}
+            "kfull_per_page_early_uniform": _KFULL_PAGE_EARLY_UNIFORM, "kfull_early": _KFULL_EARLY,
+            "math_parked": _MATH_PARKED}
 # CpsWsdLayout's mbarrier count: 4 + N S (QFULL, QEMPTY; N a stage)
 _LAYOUT_BARRIERS = re.compile(r"OFF_PM = OFF_BAR \+ \(4 \+ (\d+) \* S\) \* 8;")
 
@@ -606,13 +624,19 @@ AB_SHAPES = ((1, 32768, 1, False), (1, 32768, 1, True), (8, 32768, 1, False),
              (64, 32768, 1, True), (256, 4096, 1, False))
 
 
+def _shape_name(shape):
+    """An AB_SHAPES entry as the A/B prints it."""
+    b, ctx, next_n, fp4 = shape
+    return f"B={b} x {ctx} next_n {next_n} {'MXFP4' if fp4 else 'fp8'}"
+
+
 def ab(names, rounds=3, shapes=AB_SHAPES):
     """The in-process A/B of the ws decode kernels as they are ("base") and as variants
     ``names``: each compiled once, ``rounds`` rounds alternating the order, each shape a
     CUDA-graph replay of 10 calls over 3 fresh input sets (timing.time_graph,
     clean_logits=False); every variant's first output (poisoned with NaN) compared with the
-    base's bit for bit. Prints a line a shape; returns {shape: {name: [us a round]}} and
-    {shape: {name: bit-identical}}."""
+    base's bit for bit. Prints each (round, name)'s times as they come, then a line a
+    shape; returns {shape: {name: [us a round]}} and {shape: {name: bit-identical}}."""
     import statistics
 
     import cupy as cp
@@ -648,12 +672,15 @@ def ab(names, rounds=3, shapes=AB_SHAPES):
                         outs[s][tag] = sets[0][3].get()
                     t = timing.time_graph(call, sets, reps=10, warmup=3, iters=40)
                     times[s][tag].append(t["median_ms"] * 1e3)
+            # (a round's times as they come: a run cut off by its caller's time limit
+            # still leaves what it measured)
+            print(f"round {rnd + 1} {tag}: " + ", ".join(
+                f"{_shape_name(s)} {times[s][tag][-1]:.3f}" for s in shapes), flush=True)
     same = {s: {t: bool(np.array_equal(outs[s]["base"], outs[s][t], equal_nan=True))
                 for t in names} for s in shapes}
     for s in shapes:
         mb = statistics.median(times[s]["base"])
-        line = (f"B={s[0]} x {s[1]} next_n {s[2]} {'MXFP4' if s[3] else 'fp8'}: base "
-                f"{mb:.3f} us")
+        line = f"{_shape_name(s)}: base {mb:.3f} us"
         for t in names:
             m = statistics.median(times[s][t])
             line += f" | {t} {m:.3f} ({m / mb:.3f}{'' if same[s][t] else ', OUTPUT DIFFERS'})"

@@ -183,6 +183,23 @@ def test_variants_grow_the_launch_shared_memory_by_their_barriers_and_restore_it
         base, "kfull_per_page")
 
 
+def test_ab_names_its_shapes_in_its_progress_and_summary_lines():
+    assert P._shape_name((1, 32768, 1, True)) == "B=1 x 32768 next_n 1 MXFP4"
+    assert P._shape_name((64, 32768, 2, False)) == "B=64 x 32768 next_n 2 fp8"
+    assert len({P._shape_name(s) for s in P.AB_SHAPES}) == len(P.AB_SHAPES)
+
+
+def test_math_parked_variant_pairs_its_named_barrier():
+    # 512 math threads sync and 128 producer threads arrive once: the count of both is
+    # the CTA's, and no other code of the module uses barrier 2.
+    from cpsparse import raw_kernels
+    base = raw_kernels.module_source("indexer")
+    assert "bar.sync 2" not in base and "bar.arrive 2" not in base
+    src = P.variant_source(base, "math_parked")
+    assert src.count("bar.sync 2, %0") == 1 and src.count("bar.arrive 2, %0") == 1
+    assert src.count('::"n"(CPS_IDX_WS_THREADS) : "memory");') == 2
+
+
 def test_ab_refuses_unknown_or_missing_variants():
     with pytest.raises(SystemExit, match="unknown: nope"):
         P.main(["ab", "kfull_per_page", "nope"])
