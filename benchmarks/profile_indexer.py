@@ -36,12 +36,13 @@ least 300 s.
 tools/gpu_check.sh profile`` runs it) instead launches the fp8 ws decode kernel with
 clock64 stamps (TRACE) and prints, as medians over the CTAs, when each CTA's producer had
 its share, started and finished issuing the guessed first item's first stage and query
-block (``guess_start``, ``guess_issued``, where the guess hit), stored the guessed page ids, arrived on the first stage's and the
-query slot's barriers (``first_copies``, ``q_issued``: the copies' issue itself where the
-guess missed), when math warpgroup 0 saw the query slot and the first stage full, finished
-its first item and left, and when the producer left, all in us after the CTA's entry; and
-the spread of the CTAs' entries (globaltimer): where a B=1 launch (4.2-4.3 us on an H100,
-DeepGEMM's 3.9-4.1) spends its time. ``--variant=NAME`` traces source variant NAME of
+block (``guess_start``, ``guess_issued``, where the guess hit), stored the guessed page
+ids, arrived on the first stage's and the query slot's barriers (``first_copies``,
+``q_issued``: the copies' issue itself where the guess missed), when math warpgroup 0
+saw the query slot and the first stage full, finished its first item and left, and when
+the producer left, all in us after the CTA's entry; and the spread of the CTAs' entries
+(globaltimer): where a B=1 launch (4.2-4.3 us on an H100, DeepGEMM's 3.9-4.1) spends its
+time. ``--variant=NAME`` traces source variant NAME of
 VARIANTS instead (the early variants skip ``first_copies`` for a first item whose
 arrivals they made at the early issue; ``math_k_full`` is then warpgroup 0's page).
 """
@@ -373,10 +374,6 @@ def _early_meta(kfull_arrive):
             "            }\n")
 
 
-# Each (anchor, replacement) must hit indexer.cu once, in order (harness.substitute; the
-# CPU test compiles each variant without spills). A variant that adds mbarriers a stage
-# (its CpsWsdLayout's OFF_PM line: 4 + N S of them, the kernel's N = 2) grows the layout's
-# shared memory by 8 bytes each, in the launch and in the #defines its static_assert checks.
 # The early stage only for a first item that holds keys (its early arrivals count on it)
 _EARLY_ONLY_WITH_KEYS = ("        bool spec = ids_ready;\n        if (spec) {\n",
      "        bool spec = ids_ready;\n"
@@ -392,6 +389,12 @@ _EARLY_ONLY_WITH_KEYS = ("        bool spec = ids_ready;\n        if (spec) {\n"
 _SPEC_HIT_IS_SPEC = ("            const bool spec_hit = spec && ids_ready;\n"
      "            if (spec && !spec_hit) cps_cp_async_wait_all();\n",
      "            const bool spec_hit = spec;             // (spec: the first item holds keys)\n")
+
+
+# Each (anchor, replacement) must hit indexer.cu once, in order (harness.substitute; the
+# CPU test compiles each variant without spills). A variant that adds mbarriers a stage
+# (its CpsWsdLayout's OFF_PM line: 4 + N S of them, the kernel's N = 2) grows the layout's
+# shared memory by 8 bytes each, in the launch and in the #defines its static_assert checks.
 _KFULL_PAGE = [
     # three more KFULL barriers a stage, page-major after the stages' own (page 0's):
     # page p >= 1 of stage st at kfull_p + 8 (S (p - 1) + st)
@@ -523,7 +526,8 @@ _KFULL_PAGE_EARLY_UNIFORM = _KFULL_PAGE_EARLY + [
 # guessed first item (issued early only where it holds keys) gets its bounds, metadata,
 # missing-page mask and every arrival of its stage and query slot at the early issue, and
 # the first loop pass makes none of them. (Does the stage wait for the loop's arrivals,
-# without the per-page barriers' issue cost?)
+# without the per-page barriers' issue cost? Folded into the kernel and measured on an H100
+# in the thirty-eighth session: no; 0.97-1.003 of the kernel, docs/performance.md.)
 _KFULL_EARLY = [
     ("            const int gs0 = gpos - gb * U;\n", "            gs0 = gpos - gb * U;\n"),
     ("        int gpos = -1, gid0 = -1, gid1 = -1, gb = 0, spg[4] = {-1, -1, -1, -1};\n",
