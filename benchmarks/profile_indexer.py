@@ -42,9 +42,10 @@ ids, arrived on the first stage's and the query slot's barriers (``first_copies`
 saw the query slot and the first stage full, finished its first item and left, and when
 the producer left, all in us after the CTA's entry; and the spread of the CTAs' entries
 (globaltimer): where a B=1 launch (4.2-4.3 us on an H100, DeepGEMM's 3.9-4.1) spends its
-time. ``--variant=NAME`` traces source variant NAME of
-VARIANTS instead (the early variants skip ``first_copies`` for a first item whose
-arrivals they made at the early issue; ``math_k_full`` is then warpgroup 0's page).
+time. ``--variant=NAME`` traces source variant NAME of VARIANTS instead (the early
+variants skip ``first_copies``, and ``kfull_early`` ``q_issued`` too, for a first item
+whose arrivals they made at the early issue; the per-page variants' ``math_k_full`` is
+warpgroup 0's page).
 """
 
 import contextlib
@@ -323,9 +324,9 @@ def trace(batch=1, ctx=32768, next_n=1, variant="base"):
         cp.cuda.runtime.deviceSynchronize()
         mhz = cp.cuda.Device().attributes["ClockRate"] / 1e3
         summary = trace_summary(stamps.get(), gtimer.get().astype("int64"), mhz)
-    print(f"trace {variant} B={batch} ctx={ctx} next_n={next_n} (SM clock {mhz:.0f} MHz): " + ", ".join(
-        f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()),
-        flush=True)
+    print(f"trace {variant} B={batch} ctx={ctx} next_n={next_n} (SM clock {mhz:.0f} MHz): "
+          + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                      for k, v in summary.items()), flush=True)
     return summary
 
 
@@ -571,8 +572,9 @@ _EARLY_CUTS = [
      "        int gpos = -1, gid0 = -1, gid1 = -1, gb = 0, spg[4] = {-1, -1, -1, -1};\n"
      "        int gcut = 0, gend = 0;                 // (a full batch's cuts of this CTA)\n"),
     ("            gpos = cps_wsd_full_cut(blockIdx.x, (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT);\n",
-     "            gpos = gcut = cps_wsd_full_cut(blockIdx.x, (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT);\n"
-     "            gend = cps_wsd_full_cut(blockIdx.x + 1, (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT);\n"),
+     "            const unsigned T = (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT;\n"
+     "            gpos = gcut = cps_wsd_full_cut(blockIdx.x, T);\n"
+     "            gend = cps_wsd_full_cut(blockIdx.x + 1, T);\n"),
     ("            const unsigned T = (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT;\n"
      "            pos = cps_wsd_full_cut(blockIdx.x, T);\n"
      "            p_end = cps_wsd_full_cut(blockIdx.x + 1, T);\n",
