@@ -553,7 +553,8 @@ _KFULL_EARLY = [
 # the producer took 0.14 us from its share to the early issue (a few divisions) and 0.49
 # us to issue 23 copies a thread, where the bare probe issued its stage in about 0.15 us;
 # meanwhile 16 math warps, four beside each producer warp on its scheduler, poll the
-# query slot's mbarrier. Does their polling take the producer's issue slots?
+# query slot's mbarrier. Does their polling take the producer's issue slots? (No: traced
+# on an H100 on 2026-12-07, parked, the first item ended 0.1 us later than on main.)
 _MATH_PARKED = [
     ("        if (ids_ready) {\n            if (!full) asm volatile(\"bar.sync 1, 128;\\n\" ::: \"memory\");\n",
      "        asm volatile(\"bar.arrive 2, %0;\\n\" ::\"n\"(CPS_IDX_WS_THREADS) : \"memory\");\n"
@@ -562,29 +563,9 @@ _MATH_PARKED = [
      "    cps_setmaxnreg_inc<CPS_IDX_WSD_MREGS>();\n"
      "    asm volatile(\"bar.sync 2, %0;\\n\" ::\"n\"(CPS_IDX_WS_THREADS) : \"memory\");\n"),
 ]
-# A full batch's cuts of this CTA computed with the guess, before the share, where the
-# lengths' round trip hides them: the share's try_full is the guess (cps_wsd_share returns
-# full only when it was asked), and its cuts are the guess's formula. In main's B=1 trace
-# the two unsigned divisions by gridDim.x after the share (I2F, MUFU.RCP, F2I and an IMAD
-# chain, all dependent) took most of the 0.14 us from the share to the early issue.
-_EARLY_CUTS = [
-    ("        int gpos = -1, gid0 = -1, gid1 = -1, gb = 0, spg[4] = {-1, -1, -1, -1};\n",
-     "        int gpos = -1, gid0 = -1, gid1 = -1, gb = 0, spg[4] = {-1, -1, -1, -1};\n"
-     "        int gcut = 0, gend = 0;                 // (a full batch's cuts of this CTA)\n"),
-    ("            gpos = cps_wsd_full_cut(blockIdx.x, (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT);\n",
-     "            const unsigned T = (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT;\n"
-     "            gpos = gcut = cps_wsd_full_cut(blockIdx.x, T);\n"
-     "            gend = cps_wsd_full_cut(blockIdx.x + 1, T);\n"),
-    ("            const unsigned T = (unsigned)batch * U * CPS_IDX_WSD_KEY_WEIGHT;\n"
-     "            pos = cps_wsd_full_cut(blockIdx.x, T);\n"
-     "            p_end = cps_wsd_full_cut(blockIdx.x + 1, T);\n",
-     "            pos = gcut;                         // (full: the guess asked for it)\n"
-     "            p_end = gend;\n"),
-]
 VARIANTS = {"kfull_per_page": _KFULL_PAGE, "kfull_per_page_early": _KFULL_PAGE_EARLY,
             "kfull_per_page_early_uniform": _KFULL_PAGE_EARLY_UNIFORM, "kfull_early": _KFULL_EARLY,
-            "math_parked": _MATH_PARKED, "early_cuts": _EARLY_CUTS,
-            "early_cuts_parked": _EARLY_CUTS + _MATH_PARKED}
+            "math_parked": _MATH_PARKED}
 # CpsWsdLayout's mbarrier count: 4 + N S (QFULL, QEMPTY; N a stage)
 _LAYOUT_BARRIERS = re.compile(r"OFF_PM = OFF_BAR \+ \(4 \+ (\d+) \* S\) \* 8;")
 
