@@ -14,8 +14,11 @@ compared bit for bit. Each input kind isolates one stage:
 - ``exact``: codes of +-1 and +-1.5 only: every head's product S is a multiple of 1/4
   below 2**9, exact in any summation order, so the MMA cannot differ and any unequal
   entry is the epilogue's (ReLU, head weights, head sum, key scale, lane sum). Those
-  entries are also computed on the host from the exact S in DeepGEMM's written order,
-  with and without the multiply-add fused, to say which side departs from which.
+  entries are also computed on the host from the exact S in DeepGEMM's written order
+  (``sum = relu(x_0) w_0; sum += relu(x_j) w_j``), with the multiply-adds fused (``fma``)
+  and not (``mul+add``), and in the order nvcc compiled it to (``compiled``: the second
+  column group's products rounded, the first group's fused onto them, then the rest; read
+  from DeepGEMM's SASS on 2026-12-07), to say which side departs from which.
 - ``k0``, ``k1``, ``k01``, ``k0123``: random codes in the named 32-wide k-steps of the
   MMA (D = 4 x 32), zeros elsewhere: the epilogue is common, so a difference that grows
   with the number of k-steps is the MMA's accumulation across instructions (their order,
@@ -51,19 +54,27 @@ def _f32(x):
     return numpy.float32(x)
 
 
-def _emulate(s, w, scale, fused):
+ORDERS = ("fma", "mul+add", "compiled")
+
+
+def _emulate(s, w, scale, order):
     """DeepGEMM's epilogue on exact products ``s`` [keys, H] (float32-exact), weights
     [H], key scales [keys]: per lane t of a quad, sum[c] over column groups j of
     relu(S[:, 8 j + 2 t + c]) * w (the first product rounded, then one add a group,
-    fused or not), (sum[0] + sum[1]) * scale, then ((v0 + v1) + (v2 + v3)) over the
-    quad's lanes."""
+    fused or not: ``order`` "fma" / "mul+add"; "compiled": fused, with groups 0 and 1
+    swapped), (sum[0] + sum[1]) * scale, then ((v0 + v1) + (v2 + v3)) over the quad's
+    lanes."""
     keys, h = s.shape
+    fused = order != "mul+add"
     relu = numpy.maximum(s, 0).astype(numpy.float32)
     lanes = []
     for t in range(4):
         sums = []
         for c in range(2):
-            cols = [8 * j + 2 * t + c for j in range(h // 8)]
+            groups = list(range(h // 8))
+            if order == "compiled" and len(groups) >= 2:
+                groups[0], groups[1] = groups[1], groups[0]
+            cols = [8 * j + 2 * t + c for j in groups]
             acc = (relu[:, cols[0]] * w[cols[0]]).astype(numpy.float32)
             for col in cols[1:]:
                 if fused:       # one rounding of the exact a * b + acc (float64 holds it)
@@ -103,16 +114,17 @@ def _line(what, kind, n, bad, ulps, extra=""):
 
 
 def _exact_split(keys, scales, ours, theirs, fin, rows):
-    """For ``exact`` inputs: how many of the compared entries equal the host emulation,
-    fused and unfused (rows: (query head block [H, D], weights [H], row index))."""
+    """For ``exact`` inputs: how many of the compared entries equal the host emulation in
+    each of ORDERS (rows: (query head block [H, D], weights [H], row index))."""
     import ml_dtypes
     k = keys.view(ml_dtypes.float8_e4m3fn).astype(numpy.float64)
-    out = {"ours=fma": 0, "ours=mul+add": 0, "dg=fma": 0, "dg=mul+add": 0, "n": 0}
+    out = {f"{side}={o}": 0 for side in ("ours", "dg") for o in ORDERS}
+    out["n"] = 0
     for qh, wr, r in rows:
         s = (k @ qh.view(ml_dtypes.float8_e4m3fn).astype(numpy.float64).T).astype(numpy.float32)
         m = fin[r, :k.shape[0]]
-        for fused, tag in ((True, "fma"), (False, "mul+add")):
-            e = _emulate(s, wr, scales, fused)
+        for tag in ORDERS:
+            e = _emulate(s, wr, scales, tag)
             out["ours=" + tag] += int((ours[r, :k.shape[0]] == e)[m].sum())
             out["dg=" + tag] += int((theirs[r, :k.shape[0]] == e)[m].sum())
         out["n"] += int(m.sum())

@@ -30,9 +30,9 @@ def test_one_hot_weights_pick_one_head_relu_times_the_scale():
     for h in (0, 5, 13, 63):               # heads of every lane t = (h % 8) // 2, parity h % 2
         w = np.zeros(64, np.float32)
         w[h] = 1.0
-        for fused in (True, False):
-            got = probe._emulate(s32, w, scale, fused)
-            assert np.array_equal(got, np.maximum(s32[:, h], 0) * scale), (h, fused)
+        for order in probe.ORDERS:
+            got = probe._emulate(s32, w, scale, order)
+            assert np.array_equal(got, np.maximum(s32[:, h], 0) * scale), (h, order)
 
 
 def test_fused_and_unfused_orders_are_each_one_rounding_chain():
@@ -41,12 +41,13 @@ def test_fused_and_unfused_orders_are_each_one_rounding_chain():
     s32 = s.astype(np.float32)
     w = rng.standard_normal(64).astype(np.float32)
     scale = np.ones(s.shape[0], np.float32)
-    fused, unfused = probe._emulate(s32, w, scale, True), probe._emulate(s32, w, scale, False)
+    fused, unfused, compiled = (probe._emulate(s32, w, scale, o) for o in probe.ORDERS)
     exact = np.maximum(s, 0) @ w.astype(np.float64)
-    # both within a few float32 roundings of the exact sum, and not the same chain
+    # all within a few float32 roundings of the exact sum, and not the same chains
     tol = 8 * np.finfo(np.float32).eps * (np.maximum(s, 0) @ np.abs(w.astype(np.float64)))
-    assert np.all(np.abs(fused - exact) <= tol) and np.all(np.abs(unfused - exact) <= tol)
-    assert (fused != unfused).mean() > 0.2
+    for got in (fused, unfused, compiled):
+        assert np.all(np.abs(got - exact) <= tol)
+    assert (fused != unfused).mean() > 0.2 and (fused != compiled).mean() > 0.02
     # lane t = 0's column-0 chain by hand for key 0: heads 0, 8, ..., 56
     r = np.maximum(s32[0], 0)
     acc = np.float32(r[0] * w[0])
@@ -54,7 +55,12 @@ def test_fused_and_unfused_orders_are_each_one_rounding_chain():
         acc = np.float32(np.float64(r[h]) * np.float64(w[h]) + np.float64(acc))
     w1 = np.zeros(64, np.float32)
     w1[0::8] = w[0::8]
-    assert probe._emulate(s32[:1], w1, scale[:1], True)[0] == acc
+    assert probe._emulate(s32[:1], w1, scale[:1], "fma")[0] == acc
+    # ... and in the compiled order: head 8's product rounded, head 0's fused onto it
+    acc = np.float32(np.float64(r[0]) * np.float64(w[0]) + np.float64(np.float32(r[8] * w[8])))
+    for h in range(16, 64, 8):
+        acc = np.float32(np.float64(r[h]) * np.float64(w[h]) + np.float64(acc))
+    assert probe._emulate(s32[:1], w1, scale[:1], "compiled")[0] == acc
 
 
 def test_exact_split_counts_which_side_matches_which_chain():
@@ -62,13 +68,14 @@ def test_exact_split_counts_which_side_matches_which_chain():
     k, q, s = _exact_products(rng, keys=64, heads=64)
     w = rng.standard_normal(64).astype(np.float32)
     scale = np.ldexp(1.0, rng.integers(-10, -5, 64)).astype(np.float32)
-    fused = probe._emulate(s.astype(np.float32), w, scale, True)[None, :]
-    unfused = probe._emulate(s.astype(np.float32), w, scale, False)[None, :]
+    fused = probe._emulate(s.astype(np.float32), w, scale, "fma")[None, :]
+    unfused = probe._emulate(s.astype(np.float32), w, scale, "mul+add")[None, :]
     fin = np.ones((1, 64), bool)
     fin[0, :4] = False                      # entries not compared are not counted
     got = probe._exact_split(k, scale, fused, unfused, fin, [(q, w, 0)])
     assert got["n"] == 60 and got["ours=fma"] == 60 and got["dg=mul+add"] == 60
     assert got["ours=mul+add"] == got["dg=fma"] < 60
+    assert got["ours=compiled"] < 60 and got["dg=compiled"] < 60
 
 
 def test_ulp_counts_measure_float32_steps_of_the_compared_entries():

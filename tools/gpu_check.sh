@@ -2,7 +2,7 @@
 # One call on the device machine: the GPU tests, the cost of index bounding, the host-time
 # profile, the kernel benchmarks and the side-by-side peer benchmark. Logs and JSON go
 # under $OUT (default ./gpu_out). Usage:
-#   bash tools/gpu_check.sh [all|tests|bounds|profile|layer|bench|peers|ncu|ab|landing]... [-- arguments...]
+#   bash tools/gpu_check.sh [all|tests|bounds|profile|layer|bench|peers|ncu|ab|landing|dgbits]... [-- arguments...]
 # "profile" is the host-time profile, the layer forward by stage ("layer" alone runs only
 # that), the attention kernel's ablations and trace, and the top-k kernel's phase trace.
 # "ncu" (only when named: not part of "all") runs Nsight Compute on the
@@ -12,6 +12,8 @@
 # the code before a change there: git archive <rev> cpsparse | tar -x -C .baseline).
 # "landing" (only when named) is benchmarks/probe_page_landing.py --check: when each page of
 # a B=1 decode stage lands, copied by cp.async or by TMA.
+# "dgbits" (only when named) is benchmarks/probe_deepgemm_bits.py: the indexer logits
+# against DeepGEMM's bit for bit (it waits for the peers' build).
 # "ab" (only when named: not part of "all") is the A/B of a kernel change: bench_peers,
 # with the arguments after "--" (e.g. -- --rounds 2 --only indexer_decode), on the tree in
 # .baseline/ (its own benchmarks: git archive <rev> cpsparse benchmarks | tar -x -C
@@ -35,7 +37,7 @@ want() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 
 named() { for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 status=0
 PEERS_DIR=/tmp/peers
-if { want peers || named ab; } && [ -f .peers/build.sh ] && [ ! -s "$PEERS_DIR/built" ] && ! pgrep -f "build.sh .peers" > /dev/null; then
+if { want peers || named ab || named dgbits; } && [ -f .peers/build.sh ] && [ ! -s "$PEERS_DIR/built" ] && ! pgrep -f "build.sh .peers" > /dev/null; then
     echo "== peers: building in the background (log $OUT/peers_build.log)"
     setsid bash .peers/build.sh .peers/peers.tar.xz "$PEERS_DIR" > "$OUT/peers_build.log" 2>&1 < /dev/null &
 fi
@@ -117,6 +119,11 @@ if named landing; then
     # When each page of a B=1 decode stage lands, by cp.async and by TMA (a diagnostic).
     timeout 120 python3 -m benchmarks.probe_page_landing --check 2>&1 \
         | tee "$OUT/probe_page_landing.log" | tail -8
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if named dgbits; then
+    timeout 420 python3 -m benchmarks.probe_deepgemm_bits --peers-dir "$PEERS_DIR" 2>&1 \
+        | tee "$OUT/probe_deepgemm_bits.log" | tail -20
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want bench; then
