@@ -152,7 +152,8 @@ MODEL1_WINDOW = 128
 # 2048 of 8192 rows, H 128 / 64): ``nocopies`` (the producer copies nothing: the math
 # side alone), ``nomath`` (no wgmma: the producer, the softmax chain and the barriers),
 # ``nomask`` (masks never applied: the cost of a tile with masked keys), ``noq`` (no Q
-# load) and ``nowrite`` (no epilogue): a CTA's fixed costs.
+# load) and ``nowrite`` (no epilogue): a CTA's fixed costs; ``qk_blocks``: QK^T in
+# FlashMLA's batches (below).
 _PP_QK = ("            att_wgmma_m64n64_kk(s, cps_wgmma_desc(sq + off, 16, 1024),",
           "            if (0) att_wgmma_m64n64_kk(s, cps_wgmma_desc(sq + off, 16, 1024),")
 _PP_PV_REGS = ("            att_wgmma_m64n256_rmn(o, a,", "            if (0) att_wgmma_m64n256_rmn(o, a,")
@@ -175,6 +176,18 @@ PREFILL_VARIANTS = {
                  "    if (d_v == -1) att_write_rows<OUT>(st, w, base + ATT_OFF_L, out, lse,"
                  " part_out, H, d_v, splits, wg, r0,\n")],
 }
+# FlashMLA's batches: its QK^T opens a new wgmma batch (wgmma.fence, WARPGROUP.ARRIVE in
+# the SASS) for each 64-column block, and ptxas closes the one before (gsb0), where
+# att_pp_qk issues a half's blocks as one batch (read from both SASS, 2026-12-07).
+PREFILL_VARIANTS["qk_blocks"] = [
+    ("    cps_wgmma_fence();\n#pragma unroll\n    for (int b = B0; b < B1; ++b) {\n"
+     "#pragma unroll\n        for (int kk = 0; kk < 4; ++kk) {\n",
+     "#pragma unroll\n    for (int b = B0; b < B1; ++b) {\n        cps_wgmma_fence();\n"
+     "#pragma unroll\n        for (int kk = 0; kk < 4; ++kk) {\n"),
+    ("                                !(FIRST && b == B0 && kk == 0));\n        }\n    }\n}\n",
+     "                                !(FIRST && b == B0 && kk == 0));\n        }\n"
+     "        cps_fence_regs(s);\n    }\n}\n"),
+]
 PREFILL_SHAPES = [(4096, 128), (4096, 64)]          # (T, H); 8192 rows, top-k 2048
 PREFILL_ROWS = 8192
 
