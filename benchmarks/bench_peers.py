@@ -933,9 +933,10 @@ def compare_runs(base, new):
     return rows
 
 
-def _reexec_with_preload(argv):
-    """Start again with the system libstdc++ preloaded (DeepGEMM's JIT needs it); the
-    preload must be in place before the process starts, so this replaces the process."""
+def _reexec_with_preload(argv, module="benchmarks.bench_peers"):
+    """Start ``python3 -m module argv`` again with the system libstdc++ preloaded
+    (DeepGEMM's JIT needs it); the preload must be in place before the process starts, so
+    this replaces the process."""
     if "libstdc++" in os.environ.get("LD_PRELOAD", "") or not os.path.exists(LIBSTDCXX) \
             or os.environ.get("CPSPARSE_PEERS_REEXEC") or "--no-peers" in argv \
             or "--list" in argv or "--compare" in argv:
@@ -945,7 +946,7 @@ def _reexec_with_preload(argv):
                PYTHONPATH=os.pathsep.join(p for p in (str(harness.ROOT),
                                                       os.environ.get("PYTHONPATH")) if p))
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.bench_peers"] + argv, env)
+    os.execve(sys.executable, [sys.executable, "-m", module] + argv, env)
 
 
 def parse_args(argv=None):

@@ -50,10 +50,6 @@ def _codes(cp, shape, kind):
     return cp.where(cp.asarray(keep), c, cp.uint8(0))
 
 
-def _f32(x):
-    return numpy.float32(x)
-
-
 ORDERS = ("fma", "mul+add", "compiled")
 
 
@@ -212,12 +208,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if "libstdc++" not in os.environ.get("LD_PRELOAD", "") and \
-            os.path.exists(bench_peers.LIBSTDCXX) and not os.environ.get("CPSPARSE_PEERS_REEXEC"):
-        env = dict(os.environ, CPSPARSE_PEERS_REEXEC="1",
-                   LD_PRELOAD=" ".join(x for x in (bench_peers.LIBSTDCXX,
-                                                    os.environ.get("LD_PRELOAD")) if x))
-        sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.probe_deepgemm_bits"]
-                  + sys.argv[1:], env)
+    bench_peers._reexec_with_preload(sys.argv[1:], "benchmarks.probe_deepgemm_bits")
     sys.exit(main())
