@@ -178,10 +178,54 @@ __device__ __forceinline__ void cps_head_sum_add(float (&hs)[4], float w0, float
     hs[3] = fmaf(w1, x3 + fabsf(x3), hs[3]);
 }
 
+// DeepGEMM's order of a row's head sum. nvcc compiles DeepGEMM's epilogue (sum =
+// relu(x_0) w_0, then sum += relu(x_j) w_j for each later column group j) with its first
+// addition fused the other way round: group 1's products rounded, group 0's fused onto
+// them, then groups 2, 3, ... fused in turn (the SASS of sm90_fp8_paged_mqa_logits and
+// sm90_fp8_mqa_logits; benchmarks/probe_deepgemm_bits.py: in the order written, about
+// 11% of the logits differed from DeepGEMM's in the last bits). cps_head_sum_add rounds
+// the first group it is given (hs = 0) and fuses the rest onto it, so a row's first two
+// groups go to it swapped.
+//
+// cps_groups_in_dg_order visits NG column groups so: where group i begins a row of two or
+// more (bit i of hold), add(i + 1) then add(i), and add(i + 1) is not repeated; after
+// each i, end(i) (the caller's row-end test). hold known at compile time folds to a
+// fixed order.
+template <int NG, class Add, class End>
+__device__ __forceinline__ void cps_groups_in_dg_order(u32 hold, Add&& add, End&& end) {
+#pragma unroll
+    for (int i = 0; i < NG; ++i) {
+        if (i + 1 < NG && ((hold >> i) & 1u)) {
+            add(i + 1);
+            add(i);
+        } else if (i == 0 || !((hold >> (i - 1)) & 1u)) {
+            add(i);
+        }
+        end(i);
+    }
+}
+
+// Bits over a column chunk's ngroups groups (8 columns each) of rpc rows of hp padded
+// heads: done, bit i where a row ends with group i; hold, bit i where a row of two or
+// more groups begins with group i (cps_groups_in_dg_order).
+struct CpsRowGroups {
+    u32 done, hold;
+};
+__device__ __forceinline__ CpsRowGroups cps_row_groups(int rpc, int hp, int ngroups) {
+    CpsRowGroups m = {0u, 0u};
+    for (int k = 0; k < rpc; ++k) {
+        const int b = k * hp / 8, e = (k + 1) * hp / 8 - 1;
+        if (e < ngroups) {
+            m.done |= 1u << e;
+            if (e > b) m.hold |= 1u << b;
+        }
+    }
+    return m;
+}
+
 // A row's logits of keys key0 / key0 + 8: the head sums times the key scales (s0, s1,
 // with the 1/2 of x + |x|), then summed across the 4 lanes that share those keys (every
-// lane gets them). Scale, then lane sum: DeepGEMM's order of operations (its logits still
-// differ from these in the last bits of ~11% of the entries; the cause is not found).
+// lane gets them). Scale, then lane sum: DeepGEMM's order of operations.
 __device__ __forceinline__ float2 cps_head_sum_finish(const float (&hs)[4], float s0, float s1) {
     float v0 = (hs[0] + hs[1]) * s0, v1 = (hs[2] + hs[3]) * s1;
     v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
@@ -459,12 +503,8 @@ __device__ __forceinline__ void cps_idx_cta(
             wreg[WREG ? i : 0] = valid ? w[(q_row0 + rl) * H + h] : 0.f;
         }
     }
-    // Bit i: a row's columns end with column group i (8 columns).
-    u32 done_mask = 0;
-    for (int k = 1; k <= rpc; ++k) {
-        const int e = k * hp / 8 - 1;
-        if (e < NC / 8) done_mask |= 1u << e;
-    }
+    const CpsRowGroups groups = cps_row_groups(rpc, hp, NC / 8);
+    const u32 done_mask = groups.done;
 
     const u32 sk = cps_smem_u32(s.k);
     const u32 sks = cps_smem_u32(s.ks);
@@ -596,10 +636,11 @@ __device__ __forceinline__ void cps_idx_cta(
         for (int ch = 0; ch < nch; ++ch) {
             const u32 b_addr = sq + ch * NC * CPS_IDX_D;
             // Epilogue state: relu-weighted head sums of keys key0 / key0 + 8, one row at
-            // a time (row r's columns end at column group i when bit i of done_mask is set).
+            // a time (row r's columns end at column group i when bit i of done_mask is set;
+            // a row's groups added in DeepGEMM's order, cps_groups_in_dg_order).
             float hs[4] = {0.f, 0.f, 0.f, 0.f};
             int r = ch * rpc;
-            auto epi = [&](int i, float x0, float x1, float x2, float x3) {
+            auto add = [&](int i, float x0, float x1, float x2, float x3) {
                 float w0, w1;
                 if constexpr (!WREG) {
                     const float2 wv = *reinterpret_cast<const float2*>(s.w + ch * NC + 8 * i + 2 * t);
@@ -610,6 +651,8 @@ __device__ __forceinline__ void cps_idx_cta(
                     w1 = wreg[WREG ? 2 * i + 1 : 0];
                 }
                 cps_head_sum_add(hs, w0, w1, x0, x1, x2, x3);
+            };
+            auto end = [&](int i) {
                 if ((done_mask >> i) & 1u) {
                     const float2 v2 = cps_head_sum_finish(hs, sk0, sk1);
                     if (r < nrows && t < 2 && whole) {
@@ -647,23 +690,28 @@ __device__ __forceinline__ void cps_idx_cta(
                 cps_wgmma_wait<0>();
                 cps_fence_regs(acc);
                 if constexpr (FP4) cps_fence_regs(afp4);     // the next tile rewrites them
-#pragma unroll
-                for (int i = 0; i < NC / 8; ++i)
-                    epi(i, acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+                cps_groups_in_dg_order<NC / 8>(
+                    groups.hold,
+                    [&](int i) { add(i, acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]); },
+                    end);
             } else {
+                // Each group's products made where they are added (a row's second group's
+                // before its first: no group's outputs held across another's).
                 const int m = lane >> 3;
+                cps_groups_in_dg_order<NC / 8>(
+                    groups.hold,
+                    [&](int i) {
+                        const u32 brow = b_addr + (8 * i + (lane & 7)) * CPS_IDX_D;
+                        u32 b[8];
+                        cps_ldmatrix_x4(b, brow + ((m ^ (lane & 7)) << 4));
+                        cps_ldmatrix_x4(b + 4, brow + (((4 + m) ^ (lane & 7)) << 4));
+                        float d[4];
 #pragma unroll
-                for (int i = 0; i < NC / 8; ++i) {
-                    const u32 brow = b_addr + (8 * i + (lane & 7)) * CPS_IDX_D;
-                    u32 b[8];
-                    cps_ldmatrix_x4(b, brow + ((m ^ (lane & 7)) << 4));
-                    cps_ldmatrix_x4(b + 4, brow + (((4 + m) ^ (lane & 7)) << 4));
-                    float d[4];
-#pragma unroll
-                    for (int ks = 0; ks < 4; ++ks)
-                        cps_mma_e4m3(d, &afr[WG ? 0 : 4 * ks], b[2 * ks], b[2 * ks + 1], ks == 0);
-                    epi(i, d[0], d[1], d[2], d[3]);
-                }
+                        for (int ks = 0; ks < 4; ++ks)
+                            cps_mma_e4m3(d, &afr[WG ? 0 : 4 * ks], b[2 * ks], b[2 * ks + 1], ks == 0);
+                        add(i, d[0], d[1], d[2], d[3]);
+                    },
+                    end);
             }
         }
     }
@@ -920,7 +968,7 @@ __device__ __forceinline__ void cps_idx_ws_weights(const float* wq, float2 (&wv)
 }
 
 // Query row r's logit of key key0 + 8 (t & 1) from the products: the ReLU-weighted sum over
-// this thread's GPR column groups, their weight pairs in registers (wv[gi]: the pair of
+// this thread's GPR column groups (in DeepGEMM's order, cps_groups_in_dg_order), their weight pairs in registers (wv[gi]: the pair of
 // columns 8 (r GPR + gi) + 2 t and + 1 of the slot's weights), times the key scales,
 // summed across the 4 lanes of the keys (cps_head_sum_finish_lane).
 template <int GPR, int N>
@@ -928,12 +976,14 @@ __device__ __forceinline__ float cps_idx_ws_row_logits(const float (&acc)[N], in
                                                        const float2 (&wv)[GPR], float sk0,
                                                        float sk1, int t) {
     float hs[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int gi = 0; gi < GPR; ++gi) {
-        const int i2 = r * GPR + gi;
-        cps_head_sum_add(hs, wv[gi].x, wv[gi].y, acc[4 * i2], acc[4 * i2 + 1], acc[4 * i2 + 2],
-                         acc[4 * i2 + 3]);
-    }
+    cps_groups_in_dg_order<GPR>(
+        GPR >= 2 ? 1u : 0u,
+        [&](int gi) {
+            const int i2 = r * GPR + gi;
+            cps_head_sum_add(hs, wv[gi].x, wv[gi].y, acc[4 * i2], acc[4 * i2 + 1],
+                             acc[4 * i2 + 2], acc[4 * i2 + 3]);
+        },
+        [](int) {});
     return cps_head_sum_finish_lane(hs, sk0, sk1, t);
 }
 
@@ -1062,12 +1112,8 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
     cps_setmaxnreg_inc<CPS_IDX_WS_MATH_REGS>();
     const CpsIdxWsLane me = cps_idx_ws_lane(tid);
     const int wg = me.wg, t = me.t, key0 = me.key0;
-    // Bit i: a row's columns end with column group i (8 columns).
-    u32 done_mask = 0;
-    for (int k = 1; k <= rpc; ++k) {
-        const int e = k * hp / 8 - 1;
-        if (e < 16) done_mask |= 1u << e;
-    }
+    const CpsRowGroups groups = cps_row_groups(rpc, hp, 16);
+    const u32 done_mask = groups.done;
     int kv = 0;
     // HPC 64: both rows' head weights in registers for the block, beside the 64
     // accumulators of the block's 2 rows (WREG; they fit the math warpgroups' 112
@@ -1142,22 +1188,26 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
             } else {
                 float hs[4] = {0.f, 0.f, 0.f, 0.f};
                 int r = 0;
-#pragma unroll
-                for (int i2 = 0; i2 < 16; ++i2) {
-                    const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * i2);
-                    cps_head_sum_add(hs, wv.x, wv.y, acc[4 * i2], acc[4 * i2 + 1], acc[4 * i2 + 2],
-                                     acc[4 * i2 + 3]);
-                    if ((done_mask >> i2) & 1u) {
-                        const float2 v = cps_head_sum_finish(hs, sk0, sk1);
-                        const int col = t0 + key0 + 8 * t;
-                        if (r < nrows && t < 2 && col < t_hi) {
-                            const bool in = col >= m.lo[r] && col < m.hi[r];
-                            out[(tok0 + r) * (long long)N + col] = in ? (t ? v.y : v.x) : CPS_NEG_INF;
+                cps_groups_in_dg_order<16>(
+                    groups.hold,
+                    [&](int i2) {
+                        const float2 wv = *reinterpret_cast<const float2*>(wq + 8 * i2);
+                        cps_head_sum_add(hs, wv.x, wv.y, acc[4 * i2], acc[4 * i2 + 1],
+                                         acc[4 * i2 + 2], acc[4 * i2 + 3]);
+                    },
+                    [&](int i2) {
+                        if ((done_mask >> i2) & 1u) {
+                            const float2 v = cps_head_sum_finish(hs, sk0, sk1);
+                            const int col = t0 + key0 + 8 * t;
+                            if (r < nrows && t < 2 && col < t_hi) {
+                                const bool in = col >= m.lo[r] && col < m.hi[r];
+                                out[(tok0 + r) * (long long)N + col] =
+                                    in ? (t ? v.y : v.x) : CPS_NEG_INF;
+                            }
+                            ++r;
+                            hs[0] = hs[1] = hs[2] = hs[3] = 0.f;
                         }
-                        ++r;
-                        hs[0] = hs[1] = hs[2] = hs[3] = 0.f;
-                    }
-                }
+                    });
             }
         }
         cps_mbar_arrive(bar + 16 + 8 * qs);
