@@ -85,6 +85,35 @@ def _emulate(s, w, scale, order):
             + (lanes[2] + lanes[3]).astype(numpy.float32)).astype(numpy.float32)
 
 
+def exact_code_logits(q_codes, weights, k_codes, k_scales):
+    """The float32 logits DeepGEMM's sm90 kernels write (and cpsparse's CUDA kernels, since
+    2026-12-07) for queries and keys of the ``exact`` codes only (+-1, +-1.5), so that no
+    summation order matters before the epilogue: ``q_codes`` uint8 [rows, H, D],
+    ``weights`` float32 [rows, H], ``k_codes`` uint8 [n, D], ``k_scales`` float32 [n]
+    (powers of two keep the scaling exact) -> float32 [rows, n], every key of every row (no
+    windows). The epilogue is ``_emulate``'s ``compiled`` order. Host only: the GPU tests
+    hold the kernels to it without a peer."""
+    for name, c in (("q_codes", q_codes), ("k_codes", k_codes)):
+        if not numpy.isin(numpy.asarray(c).view(numpy.uint8), E4M3_EXACT).all():
+            raise ValueError(f"{name}: codes other than +-1 and +-1.5 (E4M3_EXACT) make the "
+                             "products' sum depend on the MMA's order")
+    scales = numpy.asarray(k_scales, numpy.float32)
+    out = numpy.empty((len(q_codes), len(k_codes)), numpy.float32)
+    for r in range(len(q_codes)):
+        out[r] = _emulate(_exact_products(k_codes, q_codes[r]),
+                          numpy.asarray(weights[r], numpy.float32), scales, "compiled")
+    return out
+
+
+def _exact_products(k_codes, q_head_block):
+    """S [keys, H] in float32 of e4m3 codes [keys, D] and [H, D]: exact for E4M3_EXACT
+    codes (multiples of 1/4 below 2**9), whatever the order of the sum."""
+    import ml_dtypes
+    k = numpy.asarray(k_codes).view(ml_dtypes.float8_e4m3fn).astype(numpy.float64)
+    q = numpy.asarray(q_head_block).view(ml_dtypes.float8_e4m3fn).astype(numpy.float64)
+    return (k @ q.T).astype(numpy.float32)
+
+
 def _compare(cp, ours, theirs, visible=None):
     ours, theirs = cp.asnumpy(ours), cp.asnumpy(theirs)
     fin = numpy.isfinite(ours) & numpy.isfinite(theirs)
@@ -112,17 +141,16 @@ def _line(what, kind, n, bad, ulps, extra=""):
 def _exact_split(keys, scales, ours, theirs, fin, rows):
     """For ``exact`` inputs: how many of the compared entries equal the host emulation in
     each of ORDERS (rows: (query head block [H, D], weights [H], row index))."""
-    import ml_dtypes
-    k = keys.view(ml_dtypes.float8_e4m3fn).astype(numpy.float64)
+    n = len(keys)
     out = {f"{side}={o}": 0 for side in ("ours", "dg") for o in ORDERS}
     out["n"] = 0
     for qh, wr, r in rows:
-        s = (k @ qh.view(ml_dtypes.float8_e4m3fn).astype(numpy.float64).T).astype(numpy.float32)
-        m = fin[r, :k.shape[0]]
+        s = _exact_products(keys, qh)
+        m = fin[r, :n]
         for tag in ORDERS:
             e = _emulate(s, wr, scales, tag)
-            out["ours=" + tag] += int((ours[r, :k.shape[0]] == e)[m].sum())
-            out["dg=" + tag] += int((theirs[r, :k.shape[0]] == e)[m].sum())
+            out["ours=" + tag] += int((ours[r, :n] == e)[m].sum())
+            out["dg=" + tag] += int((theirs[r, :n] == e)[m].sum())
         out["n"] += int(m.sum())
     return out
 

@@ -495,6 +495,75 @@ def test_paged_public_call_unclean_logits_feed_the_same_topk(cp):
         cpsparse.paged_mqa_logits(dq, dcache, dw, dctx, dtable, width, clean_logits=0)
 
 
+# ---- DeepGEMM's bits ---------------------------------------------------------------
+
+def _exact_codes(rng, shape):
+    """e4m3 codes of +-1 and +-1.5 only: every product and every sum of them over D = 128
+    is exact in float32, so only the epilogue's order of roundings decides the bits."""
+    from benchmarks import probe_deepgemm_bits as probe
+    return probe.E4M3_EXACT[rng.integers(0, 4, shape)]
+
+
+def _pow2_scales(rng, n):
+    return np.ldexp(1.0, rng.integers(-10, -5, n)).astype(np.float32)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("heads", [64, 32])
+def test_mqa_logits_write_deepgemms_bits(cp, kin, heads, path):
+    """The prefill kernels sum a key's heads in the order nvcc compiled DeepGEMM's
+    sm90 epilogue to (probe_deepgemm_bits.exact_code_logits), bit for bit: on exact codes
+    the products cannot differ, so any unequal entry is the epilogue's. (On random codes
+    the GPU machine's probe compares with DeepGEMM itself: 0 unequal on 2026-12-07.)"""
+    from benchmarks import probe_deepgemm_bits as probe
+    rng = np.random.default_rng(7100 + heads + (path == "mma"))
+    ks, ke, n = _prefill_batch(rng, [(0, 50), (300, 40), (150, 33)])
+    q8 = _exact_codes(rng, (len(ks), heads, 128))
+    k8 = _exact_codes(rng, (n, 128))
+    sk = _pow2_scales(rng, n)
+    w = rng.standard_normal((len(ks), heads)).astype(np.float32)
+    got = _prefill(cp, kin, [cp.asarray(a) for a in (q8, k8, sk, w, ks, ke)], path).get()
+    inside = np.arange(n)[None, :] < ke[:, None]
+    inside &= np.arange(n)[None, :] >= ks[:, None]
+    want = np.where(inside, probe.exact_code_logits(q8, w, k8, sk), -np.inf)
+    unequal = int((got != want).sum())
+    assert unequal == 0, f"H={heads} {path}: {unequal} of {got.size} entries differ"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("heads,next_n", [(64, 1), (64, 2), (32, 2)])
+def test_paged_mqa_logits_write_deepgemms_bits(cp, kin, heads, next_n, path):
+    """The decode kernels (per page and, for 64 heads on wgmma, warp-specialized) write
+    the bits of DeepGEMM's epilogue order on exact codes, over ragged and 2-D lengths and
+    a missing page (its positions -inf, as the reference's)."""
+    from benchmarks import probe_deepgemm_bits as probe
+    rng = np.random.default_rng(7200 + heads + 10 * next_n + (path == "mma"))
+    host, _, _, ctx, table = _paged_batch(rng, [1, 63, 64, 65, 700, 2000, 2], next_n, heads,
+                                          two_d=next_n > 1)
+    table[5, 3] = -1
+    nb, bs, d = host.data.shape[0], 64, 128
+    host.data[:, :bs * d] = _exact_codes(rng, (nb, bs * d))
+    host.data[:, bs * d:] = _pow2_scales(rng, nb * bs).view(np.uint8).reshape(nb, -1)
+    batch, width = table.shape[0], 2048
+    q8 = _exact_codes(rng, (batch, next_n, heads, 128))
+    w = rng.standard_normal((batch * next_n, heads)).astype(np.float32)
+    dcache = cpsparse.IndexerKCache.wrap(cp.asarray(host.data), bs, d)
+    got = _paged(cp, kin, cp.asarray(q8), dcache, cp.asarray(w), cp.asarray(ctx),
+                 cp.asarray(table), width, path=path).get()
+    mask = np.isneginf(ref.paged_mqa_logits(q8, host.data, 64, w, ctx, table, width))
+    pos = np.arange(width)
+    for b in range(batch):
+        page = table[b, np.minimum(pos // bs, table.shape[1] - 1)].clip(0)
+        keys = host.data[page[:, None], (pos % bs)[:, None] * d + np.arange(d)]
+        scales = host.data[page][:, bs * d:].view(np.float32)[np.arange(width), pos % bs]
+        rows = slice(b * next_n, (b + 1) * next_n)
+        want = np.where(mask[rows], -np.inf,
+                        probe.exact_code_logits(q8[b], w[rows], keys, scales))
+        unequal = int((got[rows] != want).sum())
+        assert unequal == 0, \
+            f"H={heads} next_n={next_n} {path}: request {b}, {unequal} entries differ"
+
+
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_paged_other_block_sizes(cp, kin, block_size):
     rng = np.random.default_rng(block_size)

@@ -87,3 +87,30 @@ def test_ulp_counts_measure_float32_steps_of_the_compared_entries():
     b[4] = np.float32(7.0)
     fin = np.array([True, True, True, True, False])
     assert probe.ulp_counts(a, b, fin) == {1: 1, 2: 1, "3+": 1}
+
+
+def test_exact_code_logits_are_the_compiled_chains_within_roundings_of_the_reference():
+    """exact_code_logits (what the GPU tests hold the kernels to) is the compiled order
+    row by row, close to the float64 reference, and refuses codes whose products' sum
+    would depend on the MMA's order."""
+    import pytest
+
+    from cpsparse.reference import indexer as ref
+    rng = np.random.default_rng(4)
+    rows, n = 5, 96
+    q = probe.E4M3_EXACT[rng.integers(0, 4, (rows, 64, 128))]
+    k = probe.E4M3_EXACT[rng.integers(0, 4, (n, 128))]
+    w = rng.standard_normal((rows, 64)).astype(np.float32)
+    sk = np.ldexp(1.0, rng.integers(-10, -5, n)).astype(np.float32)
+    got = probe.exact_code_logits(q, w, k, sk)
+    assert got.shape == (rows, n) and got.dtype == np.float32
+    for r in (0, rows - 1):
+        s_r = probe._exact_products(k, q[r])
+        assert np.array_equal(got[r], probe._emulate(s_r, w[r], sk, "compiled"))
+        assert (got[r] != probe._emulate(s_r, w[r], sk, "fma")).any()
+    expect = ref.mqa_logits(q, k, sk, w, np.zeros(rows, np.int32), np.full(rows, n, np.int32))
+    assert np.allclose(got, expect, rtol=1e-5, atol=1e-6 * np.abs(expect).max())
+    bad = k.copy()
+    bad[3, 7] = 0x40                        # 2.0: exact too, but not one of the four codes
+    with pytest.raises(ValueError, match="k_codes"):
+        probe.exact_code_logits(q, w, bad, sk)
