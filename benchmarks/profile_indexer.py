@@ -563,9 +563,25 @@ _MATH_PARKED = [
      "    cps_setmaxnreg_inc<CPS_IDX_WSD_MREGS>();\n"
      "    asm volatile(\"bar.sync 2, %0;\\n\" ::\"n\"(CPS_IDX_WS_THREADS) : \"memory\");\n"),
 ]
+# The guessed item's first 4 page ids, one a lane (lane & 3), shuffled to every lane only
+# where the early issue needs them. In main's SASS the 4 loads are warp-uniform, so ptxas
+# moves each into a uniform register (R2UR) right after its LDG: before cps_wsd_share, whose
+# scan then starts only when the ids are in, though they were loaded some 110 instructions
+# (the cut divisions) after the lengths it needs. One load a lane instead of four; the
+# shuffles wait for it after the share.
+_IDS_SHUFFLED = [
+    ("                for (int pq = 0; pq < 4; ++pq)          // (n4 >= 4: gs0 < U)\n"
+     "                    if (p0 + pq < bt_cols) spg[pq] = bt_row[p0 + pq];\n",
+     "                if (p0 + (lane & 3) < bt_cols) spg[0] = bt_row[p0 + (lane & 3)];\n"),
+    ("            for (int pq = 0; pq < 4; ++pq) pg[pq] = (u32)spg[pq] < (u32)num_blocks ? spg[pq] : -1;\n",
+     "            for (int pq = 0; pq < 4; ++pq) {\n"
+     "                const int id = __shfl_sync(0xffffffffu, spg[0], pq);\n"
+     "                pg[pq] = (u32)id < (u32)num_blocks ? id : -1;\n"
+     "            }\n"),
+]
 VARIANTS = {"kfull_per_page": _KFULL_PAGE, "kfull_per_page_early": _KFULL_PAGE_EARLY,
             "kfull_per_page_early_uniform": _KFULL_PAGE_EARLY_UNIFORM, "kfull_early": _KFULL_EARLY,
-            "math_parked": _MATH_PARKED}
+            "math_parked": _MATH_PARKED, "ids_shuffled": _IDS_SHUFFLED}
 # CpsWsdLayout's mbarrier count: 4 + N S (QFULL, QEMPTY; N a stage)
 _LAYOUT_BARRIERS = re.compile(r"OFF_PM = OFF_BAR \+ \(4 \+ (\d+) \* S\) \* 8;")
 
