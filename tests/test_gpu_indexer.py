@@ -555,7 +555,7 @@ def test_paged_mqa_logits_write_deepgemms_bits(cp, kin, heads, next_n, path):
     for b in range(batch):
         page = table[b, np.minimum(pos // bs, table.shape[1] - 1)].clip(0)
         keys = host.data[page[:, None], (pos % bs)[:, None] * d + np.arange(d)]
-        scales = host.data[page][:, bs * d:].view(np.float32)[np.arange(width), pos % bs]
+        scales = host.data[:, bs * d:].view(np.float32)[page, pos % bs]
         rows = slice(b * next_n, (b + 1) * next_n)
         want = np.where(mask[rows], -np.inf,
                         probe.exact_code_logits(q8[b], w[rows], keys, scales))

@@ -692,7 +692,9 @@ __device__ __forceinline__ void cps_idx_cta(
                 if constexpr (FP4) cps_fence_regs(afp4);     // the next tile rewrites them
                 cps_groups_in_dg_order<NC / 8>(
                     groups.hold,
-                    [&](int i) { add(i, acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]); },
+                    [&](int i) {
+                        add(i, acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+                    },
                     end);
             } else {
                 // Each group's products made where they are added (a row's second group's
@@ -968,9 +970,10 @@ __device__ __forceinline__ void cps_idx_ws_weights(const float* wq, float2 (&wv)
 }
 
 // Query row r's logit of key key0 + 8 (t & 1) from the products: the ReLU-weighted sum over
-// this thread's GPR column groups (in DeepGEMM's order, cps_groups_in_dg_order), their weight pairs in registers (wv[gi]: the pair of
-// columns 8 (r GPR + gi) + 2 t and + 1 of the slot's weights), times the key scales,
-// summed across the 4 lanes of the keys (cps_head_sum_finish_lane).
+// this thread's GPR column groups (in DeepGEMM's order, cps_groups_in_dg_order), their
+// weight pairs in registers (wv[gi]: the pair of columns 8 (r GPR + gi) + 2 t and + 1 of
+// the slot's weights), times the key scales, summed across the 4 lanes of the keys
+// (cps_head_sum_finish_lane).
 template <int GPR, int N>
 __device__ __forceinline__ float cps_idx_ws_row_logits(const float (&acc)[N], int r,
                                                        const float2 (&wv)[GPR], float sk0,
