@@ -208,6 +208,10 @@ def launch():
     print("launched the ws decode kernels (fp8 and MXFP4, next_n 1 and 2)")
 
 
+# The ws decode kernel's barrier set-up, where the traces add their own.
+_WSD_INIT = ("    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 128 + 1);"
+             "   // (+1: the missing-page mask)\n")
+
 # ---- trace: clock64 stamps of the ws decode kernel's first item, CTA by CTA --------------
 # Each (anchor, replacement) must hit indexer.cu once (harness.substitute; the CPU test
 # compiles the traced source without spills). Stamps: thread 0 of the producer warpgroup
@@ -224,14 +228,14 @@ TRACE = [
      f"    if (blockIdx.x < {TRACE_CTAS}) cps_wsd_trace[blockIdx.x][ev] = clock64();\n"
      "}\n"
      "constexpr int CPS_IDX_WSD_ENDS_CAP = CPS_IDX_WS_THREADS;"),
-    ("    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 1);\n",
+    (_WSD_INIT,
      "    if (tid == 0) {\n"
      "        cps_wsd_trace_at(0);\n"
      "        unsigned long long g;\n"
      "        asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(g));\n"
      f"        if (blockIdx.x < {TRACE_CTAS}) cps_wsd_gtimer[blockIdx.x] = g;\n"
-     "    }\n"
-     "    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 1);\n"),
+     "    }\n" +
+     _WSD_INIT),
     ("            lens, lens_2d, batch, width, ptid, share, s_ends, pre, guess);\n",
      "            lens, lens_2d, batch, width, ptid, share, s_ends, pre, guess);\n"
      "        if (ptid == 0) cps_wsd_trace_at(1);\n"),
@@ -401,8 +405,8 @@ _KFULL_PAGE = [
     # page p >= 1 of stage st at kfull_p + 8 (S (p - 1) + st)
     ("    static constexpr int OFF_PM = OFF_BAR + (4 + 2 * S) * 8;",
      "    static constexpr int OFF_PM = OFF_BAR + (4 + 5 * S) * 8;"),
-    ("    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 1);\n",
-     "    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 1);\n"
+    (_WSD_INIT,
+     _WSD_INIT +
      "    const u32 kfull_p = bar + 32 + 16 * S;\n"
      "    if (tid == 0) {\n"
      "        for (int i = 0; i < 3 * S; ++i) cps_mbar_init(kfull_p + 8 * i, 128 + 1);\n"

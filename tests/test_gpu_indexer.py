@@ -175,6 +175,53 @@ def test_mqa_logits_few_keys_and_padded_heads(cp, kin, heads, n):
         _check(_prefill(cp, kin, dev, path), expect, f"H={heads} N={n} path={path}")
 
 
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_mqa_logits_scales_not_16_byte_aligned(cp, kin, offset):
+    """The ws kernel reads the key scales by TMA, which takes only 16-byte aligned
+    tensors: scales 4, 8 or 12 bytes past an aligned base (a slice of a longer array)
+    go through an aligned copy, and the logits are the aligned call's to the bit."""
+    rng = np.random.default_rng(1400 + offset)
+    ks, ke, n = _prefill_batch(rng, [(300, 40), (0, 17), (500, 9)])
+    expect, dev = _prefill_inputs(cp, rng, 64, n, ks, ke)
+    aligned = _prefill(cp, kin, dev, "wgmma")
+    longer = cp.full(n + 4, np.nan, dtype=cp.float32)
+    longer[offset:offset + n] = dev[2]
+    shifted = longer[offset:offset + n]
+    assert shifted.data.ptr % 16 == 4 * offset
+    got = _prefill(cp, kin, [dev[0], dev[1], shifted, *dev[3:]], "wgmma")
+    _check(got, expect, f"scales offset by {offset}")
+    assert cp.array_equal(cp.nan_to_num(got, neginf=-1.0), cp.nan_to_num(aligned, neginf=-1.0))
+
+
+def test_mqa_logits_graph_capture_keeps_each_launchs_keys(cp, kin):
+    """The ws prefill kernel takes its keys as tensor maps by value: two launches of one
+    shape on two key arrays, captured in one CUDA graph, each replay their own keys (a map
+    read from a host buffer at replay, or shared between the launches, would score one
+    array twice)."""
+    rng = np.random.default_rng(1500)
+    ks, ke, n = _prefill_batch(rng, [(700, 30), (100, 20)])
+    expect_a, dev_a = _prefill_inputs(cp, rng, 64, n, ks, ke)
+    expect_b, dev_b = _prefill_inputs(cp, rng, 64, n, ks, ke)
+    dev_b[0], dev_b[3] = dev_a[0], dev_a[3]                  # the same queries and weights
+    q8, w = dev_a[0].get(), dev_a[3].get()
+    expect_b = ref.mqa_logits(q8, dev_b[1].get(), dev_b[2].get(), w, ks, ke)
+    out_a = cp.empty(expect_a.shape, dtype=cp.float32)
+    out_b = cp.empty_like(out_a)
+    kin.mqa_logits(cp, *dev_a, out=out_a)                       # warm: compile, prepare
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        kin.mqa_logits(cp, *dev_a, out=out_a)
+        kin.mqa_logits(cp, *dev_b, out=out_b)
+        graph = stream.end_capture()
+        out_a.fill(np.nan)
+        out_b.fill(np.nan)
+        graph.launch()
+    stream.synchronize()
+    _check(out_a, expect_a, "graph replay, keys a")
+    _check(out_b, expect_b, "graph replay, keys b")
+
+
 # ---- paged decode --------------------------------------------------------------
 
 def _paged_batch(rng, lens, next_n, heads, block_size=64, two_d=False):

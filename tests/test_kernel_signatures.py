@@ -28,7 +28,7 @@ DECLARED = [
     ("attention.cu", "cps_f16_to_bf16", attention.TO_BF16_ARGS),
     ("attention.cu", "cps_local_to_global_slots", attention.SLOTS_ARGS),
     ("indexer.cu", "cps_mqa_logits_mma", indexer.MQA_ARGS),
-    ("indexer.cu", "CPS_MQA_WS_KERNEL", indexer.MQA_ARGS),
+    ("indexer.cu", "CPS_MQA_WS_KERNEL", indexer.MQA_WS_ARGS),
     ("indexer.cu", "CPS_PAGED_KERNEL", indexer.PAGED_ARGS),
     ("indexer.cu", "CPS_PAGED_WS_KERNEL", indexer.PAGED_WS_ARGS),
     ("quant.cu", "cps_quantize_fp8", quant.QUANTIZE_ARGS),
@@ -47,6 +47,8 @@ def _letter(param):
     p = " ".join(param.split())
     if "*" in p:
         return "P"
+    if re.fullmatch(r"const __grid_constant__ CpsTensorMap \w+", p):
+        return "T"
     if "long long" in p or "int64_t" in p:
         return "q"
     if p.startswith("float") or p.startswith("const float"):
@@ -205,6 +207,60 @@ def test_packer_writes_each_parameter_in_its_slot():
         0x7F00DEADBEE0, -5, -7, struct.unpack("<f", struct.pack("<f", 0.1))[0], 0)
     with pytest.raises(ValueError):
         pack(buffer, (Array(), 1, 2, 0.5))              # one argument short
+
+
+def test_tensor_map_parameters_take_128_bytes_by_value(monkeypatch):
+    """A ``T`` parameter (a CUtensorMap by value) fills a 128-byte slot between 8-byte
+    ones; the launch's parameter pointers point at each slot, and the first lookup
+    expects 128 bytes from the driver for it (CPU: the driver's answer faked)."""
+    monkeypatch.setattr(raw_kernels, "_driver_launch", lambda: None)
+    monkeypatch.setattr(raw_kernels, "_param_sizes", lambda fptr: [4, 128, 8])
+    fn = raw_kernels.Kernel(_Raw(), "k", "iTq").bind(_CP)
+    tmap = bytes(range(128))
+    fn._pack(fn._buffer, (3, tmap, -1))
+    assert struct.unpack("<i4x128sq", fn._buffer.raw) == (3, tmap, -1)
+    base = ctypes.addressof(fn._buffer)
+    assert list(fn._pointers) == [base, base + 8, base + 136]
+    with pytest.raises(RuntimeError, match="parameter sizes"):
+        raw_kernels.Kernel(_Raw(), "k", "iPq").bind(_CP)
+
+
+def test_tensor_map_refuses_what_tma_cannot_copy(monkeypatch):
+    """tensor_map checks TMA's rules before the driver sees them: a 16-byte aligned
+    address, box sides of 1..256, box rows and outer strides in 16-byte multiples; what
+    passes reaches cuTensorMapEncodeTiled with the contiguous strides (CPU: the driver
+    faked, its arguments recorded)."""
+    calls = []
+
+    def encode(at, dtype, rank, ptr, dims, strides, box, estr, inter, swz, l2, oob):
+        calls.append((at % 64, dtype, rank, ptr, list(dims[:rank]), list(strides[:rank - 1]),
+                      list(box[:rank]), list(estr[:rank]), inter, swz, oob))
+        ctypes.memmove(at, bytes([7]) * 128, 128)
+        return 0
+    monkeypatch.setattr(raw_kernels, "_driver_fn", lambda name: encode)
+    u8, f32 = raw_kernels.TMAP_UINT8, raw_kernels.TMAP_FLOAT32
+    got = raw_kernels.tensor_map(1 << 20, u8, (128, 1000), (128, 256),
+                                 raw_kernels.TMAP_SWIZZLE_128B)
+    assert got == bytes([7]) * 128
+    assert calls == [(0, 0, 2, 1 << 20, [128, 1000], [128], [128, 256], [1, 1], 0, 3, 0)]
+    raw_kernels.tensor_map(1 << 20, f32, (5,), (256,))
+    assert calls[-1][1:8] == (7, 1, 1 << 20, [5], [], [256], [1])
+    for ptr, dtype, dims, box in ((8, f32, (5,), (256,)),             # 8-byte aligned
+                                  (16, f32, (5,), (2,)),              # an 8-byte box row
+                                  (16, u8, (128, 9), (128, 257)),      # a box side > 256
+                                  (16, u8, (24, 9), (16, 8))):        # a 24-byte stride
+        with pytest.raises(ValueError, match="Invalid tensor map"):
+            raw_kernels.tensor_map(ptr, dtype, dims, box)
+    assert len(calls) == 2
+    # an encoder keeps its last addresses' maps: a rotation over a few buffers encodes
+    # each once, and the oldest leaves first
+    encoder = raw_kernels.TensorMapEncoder(f32, (5,), (256,), memo=2)
+    for ptr in (16, 32, 16, 32, 48, 16):
+        assert encoder(ptr) == bytes([7]) * 128
+    assert [c[3] for c in calls[2:]] == [16, 32, 48, 16]
+    monkeypatch.setattr(raw_kernels, "_driver_fn", lambda name: lambda *a: 1)
+    with pytest.raises(RuntimeError, match="CUresult 1"):
+        raw_kernels.tensor_map(16, f32, (5,), (256,))
 
 
 def test_bind_checks_int64_parameters_as_eight_bytes(monkeypatch):

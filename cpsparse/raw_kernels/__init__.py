@@ -481,7 +481,9 @@ class Kernel:
     stream (graph capture included).
 
     ``signature`` has one letter a parameter: ``P`` a pointer (a CuPy array, or
-    None for NULL), ``i`` int32, ``q`` int64, ``f`` float32 (spaces ignored). The
+    None for NULL), ``i`` int32, ``q`` int64, ``f`` float32, ``T`` a 128-byte
+    ``CUtensorMap`` passed by value (``bytes`` from :func:`tensor_map`; the kernel
+    declares it ``const __grid_constant__ CpsTensorMap``) (spaces ignored). The
     first lookup checks it against the compiled function's parameter sizes
     (``cuFuncGetParamInfo``, where the driver has it).
 
@@ -492,7 +494,10 @@ class Kernel:
     and newer); otherwise by ``cuLaunchKernel``.
     """
 
-    _SLOT = {"P": "Q", "q": "q", "i": "i4x", "f": "f4x"}     # 8 bytes a parameter
+    # A parameter's slot in the launch buffer (8 bytes, a tensor map's 128) and the
+    # size the compiled function declares for it.
+    _SLOT = {"P": "Q", "q": "q", "i": "i4x", "f": "f4x", "T": "128s"}
+    _PARAM_SIZE = {"P": 8, "q": 8, "i": 4, "f": 4, "T": 128}
 
     def __init__(self, raw, name, signature, pdl=False):
         self.raw, self.name, self.pdl = raw, name, bool(pdl)
@@ -502,10 +507,15 @@ class Kernel:
             raise ValueError(f"Invalid signature of {name}: expected letters of "
                              f"{sorted(self._SLOT)}, got {signature!r}")
         n = len(self.signature)
+        offsets = [0]
+        for c in self.signature:
+            offsets.append(offsets[-1] + struct.calcsize(self._SLOT[c]))
         self._lock = threading.Lock()           # one buffer per kernel: one launch at a time
-        self._buffer = ctypes.create_string_buffer(max(8 * n, 8))
+        self._buffer = ctypes.create_string_buffer(max(offsets[-1], 8))
         base = ctypes.addressof(self._buffer)
-        self._pointers = (ctypes.c_void_p * max(n, 1))(*[base + 8 * j for j in range(n)])
+        # (cuLaunchKernel copies each parameter from its pointer, at the offset and
+        # alignment the function declares: the buffer's own slots need no alignment.)
+        self._pointers = (ctypes.c_void_p * max(n, 1))(*[base + o for o in offsets[:-1]])
         self._params = ctypes.addressof(self._pointers) if n else 0
         self._pack = self._packer(name, self.signature)
         self._fptr = None
@@ -529,7 +539,7 @@ class Kernel:
         """Resolve the CUfunction on the current device and check the signature."""
         fn = self.raw.kernel                  # compiles / loads on first use
         sizes = _param_sizes(fn.ptr)
-        want = [8 if c in "Pq" else 4 for c in self.signature]
+        want = [self._PARAM_SIZE[c] for c in self.signature]
         if sizes is not None and sizes != want:
             raise RuntimeError(f"cpsparse kernel {self.name}: the launcher's signature "
                                f"{self.signature!r} gives parameter sizes {want}, the "
@@ -695,7 +705,87 @@ _DRIVER_ARGTYPES = {
                                      ctypes.POINTER(_LaunchConfig)],            # CUDA 12.0
     "cuLaunchKernelEx": [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
                          ctypes.c_void_p],                                      # CUDA 12.0
+    "cuTensorMapEncodeTiled": [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p,
+                               ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                               ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int],  # 12.0
 }
+
+# cuda.h's CUtensorMapDataType values and CUtensorMapSwizzle modes the kernels use.
+TMAP_UINT8, TMAP_FLOAT32 = 0, 7
+TMAP_SWIZZLE_NONE, TMAP_SWIZZLE_128B = 0, 3
+_TMAP_ELEMENT_BYTES = {TMAP_UINT8: 1, TMAP_FLOAT32: 4}
+_TMAP_L2_PROMOTION_256B = 3          # (CUtensorMapL2promotion; interleave none, OOB fill zeros)
+
+
+class TensorMapEncoder:
+    """``encode(ptr) -> bytes``: the 128-byte ``CUtensorMap`` (``cuTensorMapEncodeTiled``)
+    of a C-contiguous tensor of one shape at device address ``ptr``, a kernel parameter of
+    signature letter ``T`` (:class:`Kernel`).
+
+    ``dims`` and ``box`` are innermost first (a row-major [rows, cols] array is
+    ``(cols, rows)``); the strides are the contiguous ones. A box reaching past ``dims``
+    is zero-filled, and its bytes still count towards the copy's ``complete_tx``. No
+    interleave, L2 promotion of 256 bytes.
+
+    The shape is checked and the driver's arguments built once, here; a call encodes one
+    address, and the last ``memo`` addresses' maps are kept (a launch that rotates over a
+    few key buffers pays the encode once each: an encode through ctypes costs
+    microseconds of host time, more than the rest of a launch).
+
+    Raises ValueError where the map would break TMA's rules (``ptr`` not 16-byte aligned,
+    a box dimension outside 1..256, a box row not a multiple of 16 bytes, an outer stride
+    not a multiple of 16 bytes), RuntimeError where the driver is missing or refuses it.
+    """
+
+    def __init__(self, dtype, dims, box, swizzle=TMAP_SWIZZLE_NONE, memo=8):
+        esize = _TMAP_ELEMENT_BYTES[dtype]
+        dims, box = [int(d) for d in dims], [int(b) for b in box]
+        strides: list[int] = []
+        for d in dims[:-1]:
+            strides.append((strides[-1] if strides else esize) * d)
+        if any(s % 16 for s in strides) or (box[0] * esize) % 16 \
+                or not all(1 <= b <= 256 for b in box) or not all(d >= 1 for d in dims):
+            raise ValueError(f"Invalid tensor map: dims {dims}, box {box} (1..256, rows of "
+                             f"16-byte multiples), byte strides {strides} (16-byte multiples)")
+        rank = len(dims)
+        self.dims, self.box = dims, box
+        self._args = (dtype, rank, (ctypes.c_uint64 * rank)(*dims),
+                      (ctypes.c_uint64 * max(rank - 1, 1))(*strides),
+                      (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
+                      0, swizzle, _TMAP_L2_PROMOTION_256B, 0)
+        self._buffer = ctypes.create_string_buffer(128 + 64)   # the map is written 64-aligned
+        self._at = -ctypes.addressof(self._buffer) % 64 + ctypes.addressof(self._buffer)
+        self._memo: dict[int, bytes] = {}
+        self._memo_size = int(memo)
+        self._lock = threading.Lock()
+
+    def __call__(self, ptr):
+        known = self._memo.get(ptr)
+        if known is not None:
+            return known
+        if ptr % 16:
+            raise ValueError(f"Invalid tensor map: address {ptr:#x} is not 16-byte aligned")
+        encode = _driver_fn("cuTensorMapEncodeTiled")
+        if encode is None:
+            raise RuntimeError("cuTensorMapEncodeTiled: no CUDA driver of 12.0 or newer")
+        dtype, rank, *rest = self._args
+        with self._lock:
+            rc = encode(self._at, dtype, rank, ptr, *rest)
+            if rc != 0:
+                raise RuntimeError(f"cuTensorMapEncodeTiled refused dims {self.dims}, box "
+                                   f"{self.box}: CUresult {rc}")
+            got = ctypes.string_at(self._at, 128)
+        if self._memo_size:
+            if len(self._memo) >= self._memo_size:
+                self._memo.pop(next(iter(self._memo)))          # the oldest
+            self._memo[ptr] = got
+        return got
+
+
+def tensor_map(ptr, dtype, dims, box, swizzle=TMAP_SWIZZLE_NONE):
+    """One ``CUtensorMap`` (:class:`TensorMapEncoder` of this shape, called once)."""
+    return TensorMapEncoder(dtype, dims, box, swizzle, memo=0)(ptr)
 
 
 def _libcuda():

@@ -10,6 +10,14 @@ typedef unsigned long long u64;
 
 #define CPS_E4M3_MAX 448.0f
 
+// x, which the compiler cannot see through (an empty volatile asm): what it computes from
+// the result inside a loop stays in the loop instead of being hoisted into registers held
+// across it (where a warpgroup with few registers after setmaxnreg would spill them).
+__device__ __forceinline__ int cps_opaque(int x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+
 // Programmatic dependent launch (PDL). The launcher starts the kernels of a module
 // registered with pdl=True (raw_kernels.register_module) with CUDA's programmatic stream
 // serialization: a kernel's CTAs may be scheduled while the kernel before it on the

@@ -170,3 +170,38 @@ __device__ __forceinline__ void cps_mbar_wait(u32 addr, u32 parity) {
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                  "@!done bra CPS_MBAR_WAIT_%=;\n}\n" :: "r"(addr), "r"(parity) : "memory");
 }
+
+// ---- TMA (sm_90): tensor copies global -> shared, counted on an mbarrier ---------------
+// A CUtensorMap (raw_kernels.tensor_map's 128 bytes). A kernel takes it by value as
+// `const __grid_constant__ CpsTensorMap`: it stays in the parameter space (a captured
+// graph keeps it with the launch) and the copies name it by its generic address.
+struct alignas(64) CpsTensorMap {
+    u64 opaque[16];
+};
+
+// Fetch the map's descriptor into the TMA unit's cache ahead of the first copy.
+__device__ __forceinline__ void cps_tma_prefetch(const CpsTensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" :: "l"(map) : "memory");
+}
+
+// One arrival on `bar` that also makes its phase wait for `bytes` more bytes of async copies.
+__device__ __forceinline__ void cps_mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// The box of `map` at element coordinates (c0) / (c0, c1), innermost first, into shared
+// memory at `dst` (128-byte aligned; 1024 under a 128-byte swizzle), completing `bar`'s
+// transaction bytes. Elements past the map's dimensions land as zeros: the copy reads
+// nothing outside the tensor, whatever the coordinates.
+__device__ __forceinline__ void cps_tma_load_1d(u32 dst, const CpsTensorMap* map, int c0, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2}], [%3];\n"
+                 :: "r"(dst), "l"(map), "r"(c0), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void cps_tma_load_2d(u32 dst, const CpsTensorMap* map, int c0, int c1,
+                                                u32 bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];\n"
+                 :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}

@@ -848,8 +848,11 @@ CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n128m_h64_s3, 128, true, false, 
 //     past t_hi is skipped.
 // mbarriers: QFULL[2] (128 cp.async-completion arrivals and 32 after the metadata
 // stores), QEMPTY[2] and KEMPTY[S] (every math thread, after its wgmma read the slot),
-// KFULL[S] (128 cp.async-completion arrivals). Keys past the rows' largest window end hi
-// are zero-filled and never read; they and every key outside a row's window score -inf.
+// KFULL[S] (one arrival with the stage's TMA bytes). A stage is two TMA copies issued by
+// one producer thread (kmap: the keys' codes as [N][128 B] under the 128-byte swizzle of
+// the ring; smap: their scales as [N]); keys past N land as zeros. Keys past the rows'
+// largest window end hi are loaded and never stored; they and every key outside a row's
+// window score -inf.
 // CPS_IDX_WS_MATH and CPS_IDX_WS_STAGES are #defined by the launcher.
 #define CPS_IDX_WS_KEYS (CPS_IDX_TILE * CPS_IDX_WS_MATH)
 #define CPS_IDX_WS_MATH_THREADS (128 * CPS_IDX_WS_MATH)
@@ -883,16 +886,16 @@ static_assert(CPS_IDX_WS_SMEM == CPS_IDX_WS_SMEM_LAUNCH,
 
 // The mbarriers of a warp-specialized CTA (thread 0; everyone syncs after): QFULL[2] (128
 // cp.async-completion arrivals and 32 after the metadata stores), QEMPTY[2] and KEMPTY[S]
-// (every math thread), KFULL[S] (128 cp.async-completion arrivals, plus ``kfull_extra``).
+// (every math thread), KFULL[S] (``kfull_count`` arrivals).
 template <int S = CPS_IDX_WS_STAGES>
-__device__ __forceinline__ void cps_idx_ws_init_barriers(u32 bar, int kfull_extra) {
+__device__ __forceinline__ void cps_idx_ws_init_barriers(u32 bar, int kfull_count) {
     const u32 kfull = bar + 32, kempty = bar + 32 + 8 * S;
     for (int i = 0; i < 2; ++i) {
         cps_mbar_init(bar + 8 * i, 128 + 32);
         cps_mbar_init(bar + 16 + 8 * i, CPS_IDX_WS_MATH_THREADS);
     }
     for (int i = 0; i < S; ++i) {
-        cps_mbar_init(kfull + 8 * i, 128 + kfull_extra);
+        cps_mbar_init(kfull + 8 * i, kfull_count);
         cps_mbar_init(kempty + 8 * i, CPS_IDX_WS_MATH_THREADS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -996,9 +999,9 @@ __device__ __forceinline__ float cps_idx_ws_row_logits(const float (&acc)[N], in
 // inside every row's window stored without checks.
 template <int HPC>
 __device__ __forceinline__ void cps_mqa_logits_ws_body(
-        const u8* __restrict__ q, const u8* __restrict__ kc, const float* __restrict__ ksc,
-        const float* __restrict__ w, const int* __restrict__ ks, const int* __restrict__ ke,
-        float* __restrict__ out, int M, int N, int H, int hp, int nblocks) {
+        const u8* __restrict__ q, const float* __restrict__ w, const int* __restrict__ ks,
+        const int* __restrict__ ke, float* __restrict__ out, int M, int N, int H, int hp,
+        int nblocks, const CpsTensorMap* kmap, const CpsTensorMap* smap) {
     extern __shared__ u8 cps_idx_ws_smem_raw[];
     u8* base = cps_idx_ws_smem_raw + ((1024u - (cps_smem_u32(cps_idx_ws_smem_raw) & 1023u)) & 1023u);
     const u32 sbase = cps_smem_u32(base);
@@ -1011,22 +1014,27 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
     const u32 kfull = bar + 32, kempty = bar + 32 + 8 * CPS_IDX_WS_STAGES;
     const int tid = threadIdx.x, lane = tid & 31;
     const int rpc = 128 / hp;
-    if (tid == 0) cps_idx_ws_init_barriers(bar, 0);
+    if (tid == 0) cps_idx_ws_init_barriers(bar, 1);
     __syncthreads();
 
     if (tid >= CPS_IDX_WS_MATH_THREADS) {
         // ---- producer warpgroup ----
-        // (Its 4 warps sit on the 4 schedulers: one warp alone, sharing a scheduler with
-        // 4 math warps, issued the copies too slowly: 2.6x the time of the whole kernel.)
+        // All 4 warps copy a block's queries and weights (cp.async, 16 bytes a thread:
+        // the query rows' heads are padded, which a tensor map of [M][H] rows cannot
+        // give) and write its -inf; one thread issues every key stage by TMA.
         cps_setmaxnreg_dec<CPS_IDX_WS_PRODUCER_REGS>();
-        const int ptid = tid - CPS_IDX_WS_MATH_THREADS;
-        // Thread ptid moves bytes [16 ptid, +16) of each 2 KB of a stage's codes: key row
-        // 16 it + rr, chunk ptid % 8 (constant offsets, as cps_idx_cta's tiles).
-        const int rr = ptid >> 3;
-        const u32 dst_off = rr * CPS_IDX_D + (((ptid & 7) ^ (rr & 7)) << 4);
-        int kv = 0;                                   // stages issued so far
+        const int ptid = tid & 127;                  // (tid - CPS_IDX_WS_MATH_THREADS, known >= 0)
+        const int hpc = HPC > 0 ? HPC : hp;           // (a shift where the kernel knows it)
+        if (ptid == 0) {
+            cps_tma_prefetch(kmap);
+            cps_tma_prefetch(smap);
+        }
+        int kv = 0;                                   // stages issued so far (thread 0)
         for (int it = 0;; ++it) {
-            const int i = (int)blockIdx.x + it * (int)gridDim.x;
+            // (gridDim.x read anew a block: held across the loop, it spilled _ws's 32)
+            int ctas;
+            asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(ctas));
+            const int i = (int)blockIdx.x + it * ctas;
             if (i >= nblocks) break;
             const long long tok0 = (long long)(nblocks - 1 - i) * rpc;
             const int nrows = (int)min((long long)rpc, (long long)M - tok0);
@@ -1061,57 +1069,45 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
                 }
             }
             // Query block: column n = row * hp + head (zero past H and past the rows).
-            const u32 sq = sbase + qs * 128 * CPS_IDX_D;
+            // Thread ptid copies chunk ptid % 8 of columns 16 j + ptid / 8: one swizzled
+            // offset for every j (16 j keeps n % 8). Each column's row and head are worked
+            // out anew a block from an opaque copy of ptid: hoisted out of the block loop,
+            // the eight columns' spilled the producer's 32 registers.
+            const int qt = cps_opaque(ptid);
+            const u32 sq = sbase + qs * 128 * CPS_IDX_D + (qt >> 3) * CPS_IDX_D
+                           + (((qt & 7) ^ ((qt >> 3) & 7)) << 4);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                const int idx = j * 128 + ptid;
-                const int n = idx >> 3, c = idx & 7;
-                const int rl = n / hp, h = n - rl * hp;
+                const int n = 16 * j + (qt >> 3);
+                const int rl = n / hpc, h = n - rl * hpc;
                 const bool valid = rl < nrows && h < H;
-                const u8* src = valid ? q + ((tok0 + rl) * H + h) * CPS_IDX_D + c * 16 : q;
-                cps_cp_async16(sq + n * CPS_IDX_D + ((c ^ (n & 7)) << 4), src, valid);
+                const u8* src = valid ? q + ((tok0 + rl) * H + h) * CPS_IDX_D + (qt & 7) * 16 : q;
+                cps_cp_async16(sq + j * 16 * CPS_IDX_D, src, valid);
             }
             {
-                const int rl = ptid / hp, h = ptid - rl * hp;
+                const int rl = qt / hpc, h = qt - rl * hpc;
                 const bool valid = rl < nrows && h < H;
-                cps_cp_async4(sbase + CPS_IDX_WS_OFF_W + (qs * 128 + ptid) * 4,
+                cps_cp_async4(sbase + CPS_IDX_WS_OFF_W + (qs * 128 + qt) * 4,
                               valid ? w + (tok0 + rl) * H + h : w, valid);
             }
             cps_mbar_arrive_cp_async(bar + 8 * qs);
             if (ptid < 32) cps_mbar_arrive(bar + 8 * qs);   // (after the metadata stores)
-            for (int j = 0; j < nst; ++j, ++kv) {
-                const int st = kv % CPS_IDX_WS_STAGES;
-                cps_mbar_wait(kempty + 8 * st, ((kv / CPS_IDX_WS_STAGES) & 1) ^ 1);
-                const int t0 = t_lo + j * CPS_IDX_WS_KEYS;
-                const u32 kdst = sbase + CPS_IDX_WS_OFF_K + st * (CPS_IDX_WS_KEYS * CPS_IDX_D);
-                const u8* src = kc + (long long)t0 * CPS_IDX_D + ptid * 16;
-                const u32 sdst = sbase + CPS_IDX_WS_OFF_KS + st * (CPS_IDX_WS_KEYS * 4);
-                if (hi - t0 >= CPS_IDX_WS_KEYS) {
-                    // A whole stage of keys (all but a block's last): copies off one base,
-                    // no row checks. (With the checks a copy took 6 instructions, the
-                    // producer warps about 12% of the kernel's issue slots at T = S = 8192.)
-#pragma unroll
-                    for (int r = 0; r < CPS_IDX_WS_KEYS / 16; ++r)
-                        cps_cp_async16(kdst + r * 2048 + dst_off, src + r * 2048, true);
-#pragma unroll
-                    for (int r = 0; r < CPS_IDX_WS_KEYS / 128; ++r)
-                        cps_cp_async4(sdst + (128 * r + ptid) * 4, ksc + t0 + 128 * r + ptid, true);
-                } else {
-                    const int lim = hi - t0 - rr;         // rows 16 it + rr < hi - t0 are keys
-#pragma unroll
-                    for (int r = 0; r < CPS_IDX_WS_KEYS / 16; ++r) {
-                        const bool valid = 16 * r < lim;
-                        cps_cp_async16(kdst + r * 2048 + dst_off, valid ? src + r * 2048 : kc,
-                                       valid);
-                    }
-#pragma unroll
-                    for (int r = 0; r < CPS_IDX_WS_KEYS / 128; ++r) {
-                        const int key = 128 * r + ptid;
-                        const bool valid = t0 + key < hi;
-                        cps_cp_async4(sdst + key * 4, valid ? ksc + t0 + key : ksc, valid);
-                    }
+            // The key stages: two TMA copies each, one thread (the copies cost the
+            // producer a few instructions a stage, where 128 threads' cp.async took 75 in
+            // each of its 4 warps; and the math warpgroups need no proxy fence before
+            // their wgmma reads the keys).
+            if (ptid == 0) {
+                for (int j = 0; j < nst; ++j, ++kv) {
+                    const int st = kv % CPS_IDX_WS_STAGES;
+                    const u32 full = kfull + 8 * st;
+                    cps_mbar_wait(kempty + 8 * st, ((kv / CPS_IDX_WS_STAGES) & 1) ^ 1);
+                    const int t0 = t_lo + j * CPS_IDX_WS_KEYS;
+                    cps_mbar_arrive_expect_tx(full, CPS_IDX_WS_KEYS * (CPS_IDX_D + 4));
+                    cps_tma_load_2d(sbase + CPS_IDX_WS_OFF_K + st * (CPS_IDX_WS_KEYS * CPS_IDX_D),
+                                    kmap, 0, t0, full);
+                    cps_tma_load_1d(sbase + CPS_IDX_WS_OFF_KS + st * (CPS_IDX_WS_KEYS * 4), smap,
+                                    t0, full);
                 }
-                cps_mbar_arrive_cp_async(kfull + 8 * st);
             }
             // -inf outside the visited keys (the math warpgroups write [t_lo, t_hi)).
             for (int r = 0; r < nrows; ++r) {
@@ -1146,6 +1142,9 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
         const long long tok0 = (long long)(nblocks - 1 - i) * rpc;
         const int qs = it & 1;
         cps_mbar_wait(bar + 8 * qs, (it >> 1) & 1);
+        // The query block's cp.async bytes -> the async proxy, once a block (the keys
+        // come by TMA, already in it).
+        cps_fence_proxy_async();
         const CpsIdxWsMeta& m = meta[qs];
         const int t_lo = m.t_lo, t_hi = m.t_hi, nst = m.nst, nrows = m.nrows;
         // Column weights read from smem per column group (HPC 0), in registers for the
@@ -1177,8 +1176,9 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
             if (live) {
                 // Descriptors as offsets from the first stage's / slot's (the address
                 // field is the low 14 bits of bytes / 16; smem < 256 KB never carries).
-                cps_idx_ws_products<128>(acc, da0 + (u64)((st * (CPS_IDX_WS_KEYS * CPS_IDX_D)) >> 4),
-                                         db0 + (u64)((qs * (128 * CPS_IDX_D)) >> 4));
+                cps_idx_ws_products<128, false>(
+                    acc, da0 + (u64)((st * (CPS_IDX_WS_KEYS * CPS_IDX_D)) >> 4),
+                    db0 + (u64)((qs * (128 * CPS_IDX_D)) >> 4));
             }
             // The key scales after the products (not live beside the accumulators while
             // the wgmma runs), before the slot is released.
@@ -1231,13 +1231,16 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
 }
 
 // _ws: any padded head count (hp | 128 or not); _ws_h64: hp = 64 (2 query tokens a block).
+// kmap: the key codes, uint8 [N][128] (box 128 x 256 rows, 128-byte swizzle); smap: the
+// key scales, float32 [N] (box 256): raw_kernels.indexer.prefill_map_encoders.
 #define CPS_MQA_WS_KERNEL(NAME, HPC)                                                          \
     extern "C" __global__ void __launch_bounds__(CPS_IDX_WS_THREADS, 1)                       \
-    NAME(const u8* __restrict__ q, const u8* __restrict__ kc, const float* __restrict__ ksc,  \
-         const float* __restrict__ w, const int* __restrict__ ks, const int* __restrict__ ke, \
-         float* __restrict__ out, int M, int N, int H, int hp, int nblocks) {                 \
+    NAME(const u8* __restrict__ q, const float* __restrict__ w, const int* __restrict__ ks,   \
+         const int* __restrict__ ke, float* __restrict__ out, int M, int N, int H, int hp,    \
+         int nblocks, const __grid_constant__ CpsTensorMap kmap,                              \
+         const __grid_constant__ CpsTensorMap smap) {                                         \
         CPS_PDL_ENTRY();                                                                      \
-        cps_mqa_logits_ws_body<HPC>(q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks);        \
+        cps_mqa_logits_ws_body<HPC>(q, w, ks, ke, out, M, N, H, hp, nblocks, &kmap, &smap);   \
     }
 CPS_MQA_WS_KERNEL(cps_mqa_logits_ws, 0)
 CPS_MQA_WS_KERNEL(cps_mqa_logits_ws_h64, 64)
@@ -1271,7 +1274,7 @@ CPS_MQA_WS_KERNEL(cps_mqa_logits_ws_h64, 64)
 //     before the products), the products one query row at a time; fp8 keys at next_n 2:
 //     the products one row at a time too (both rows' weights in registers), the slot
 //     released after the second row's.
-// mbarriers as the prefill kernel's, KFULL counting 128 cp.async arrivals and one after the
+// mbarriers as the prefill kernel's, but KFULL counting 128 cp.async arrivals and one after the
 // missing-page mask is stored.
 // A Q slot's work item: its request (-1: no more items), the rows' window ends, the keys
 // visited [t_lo, t_hi) and their stages.
@@ -1539,7 +1542,7 @@ __device__ __forceinline__ void cps_paged_ws_body(
     const u32 bar = sbase + L::OFF_BAR;
     const u32 kfull = bar + 32, kempty = bar + 32 + 8 * S;
     const int tid = threadIdx.x, lane = tid & 31;
-    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 1);
+    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 128 + 1);   // (+1: the missing-page mask)
     __syncthreads();
 
     if (tid >= CPS_IDX_WS_MATH_THREADS) {

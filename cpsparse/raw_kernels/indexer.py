@@ -117,8 +117,11 @@ raw_kernels.register_module(
                  CPS_IDX_N64_FP4_H64_MINB=N64_FP4_H64_CTAS_PER_SM))
 
 # C parameter lists (raw_kernels.Kernel letters).
-# cps_mqa_logits_*: q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks
+# cps_mqa_logits_mma: q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks
 MQA_ARGS = "PPPPPPP iiiii"
+# cps_mqa_logits_ws[_h64]: q, w, ks, ke, out, M, N, H, hp, nblocks, and the tensor maps of
+# the key codes and of their scales (prefill_map_encoders)
+MQA_WS_ARGS = "PPPPP iiiii TT"
 # cps_paged_mqa_logits_*: q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out, width,
 # next_n, H, hp, nch, bs_shift, piece_tiles
 PAGED_ARGS = "PPPP i P ii P iiiiiii"
@@ -173,6 +176,17 @@ def supports_prefill(q_codes, k_codes):
 _PREFILL_LAUNCHES: dict[Any, Any] = {}
 
 
+def prefill_map_encoders(n):
+    """The encoders (:class:`raw_kernels.TensorMapEncoder`) of the ws prefill kernels' two
+    ``CUtensorMap`` parameters for ``n`` keys: the codes as uint8 [n][D] in boxes of a
+    stage's keys (D x TILE * WS_MATH) under the 128-byte swizzle of the kernel's key
+    ring, and their float32 scales [n] in boxes of a stage."""
+    keys = TILE * WS_MATH
+    return (raw_kernels.TensorMapEncoder(raw_kernels.TMAP_UINT8, (D, n), (D, keys),
+                                         raw_kernels.TMAP_SWIZZLE_128B),
+            raw_kernels.TensorMapEncoder(raw_kernels.TMAP_FLOAT32, (n,), (keys,)))
+
+
 def prepare_prefill(cp, m, n, heads, path=None, ctas=None):
     """The prefill kernel's launch of one shape (m queries of ``heads`` heads over n keys,
     both non-zero) on the current device, memoized: ``run(q_codes, k_codes, k_scales,
@@ -189,23 +203,34 @@ def prepare_prefill(cp, m, n, heads, path=None, ctas=None):
         return known
     hp = _round8(heads)
     nblocks = -(-m // (128 // hp))
+    shape = (m, n)
     if path == "wgmma":
         # Persistent: one CTA an SM over the query blocks (warp-specialized kernel).
         smem = ws_smem_bytes()
-        fn = _kernel("cps_mqa_logits_ws_h64" if hp == 64 else "cps_mqa_logits_ws", MQA_ARGS, smem)
+        fn = _kernel("cps_mqa_logits_ws_h64" if hp == 64 else "cps_mqa_logits_ws",
+                     MQA_WS_ARGS, smem)
         grid = min(nblocks, raw_kernels.device_facts().sms if ctas is None else int(ctas))
         launch = fn.launcher((grid,), (WS_THREADS,), smem)
+        codes_map, scales_map = prefill_map_encoders(n)
+
+        def run(q_codes, k_codes, k_scales, weights, ks, ke, out):
+            if out is None:
+                out = raw_kernels.empty(cp, shape, cp.float32)
+            if k_scales.data.ptr % 16:         # (TMA reads from 16-byte aligned tensors)
+                k_scales = cp.ascontiguousarray(k_scales.ravel(), dtype=cp.float32).copy()
+            launch((q_codes, weights, ks, ke, out, m, n, heads, hp, nblocks,
+                    codes_map(k_codes.data.ptr), scales_map(k_scales.data.ptr)))
+            return out
     else:
         smem = smem_bytes(128)                     # mma.sync: a CTA a query block
         fn = _kernel("cps_mqa_logits_mma", MQA_ARGS, smem)
         launch = fn.launcher((nblocks,), (THREADS,), smem)
-    shape = (m, n)
 
-    def run(q_codes, k_codes, k_scales, weights, ks, ke, out):
-        if out is None:
-            out = raw_kernels.empty(cp, shape, cp.float32)
-        launch((q_codes, k_codes, k_scales, weights, ks, ke, out, m, n, heads, hp, nblocks))
-        return out
+        def run(q_codes, k_codes, k_scales, weights, ks, ke, out):
+            if out is None:
+                out = raw_kernels.empty(cp, shape, cp.float32)
+            launch((q_codes, k_codes, k_scales, weights, ks, ke, out, m, n, heads, hp, nblocks))
+            return out
     if len(_PREFILL_LAUNCHES) > 1024:
         _PREFILL_LAUNCHES.clear()
     _PREFILL_LAUNCHES[key] = run
