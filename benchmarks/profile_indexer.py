@@ -209,8 +209,8 @@ def launch():
 
 
 # The ws decode kernel's barrier set-up, where the traces add their own.
-_WSD_INIT = ("    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 128 + 1);"
-             "   // (+1: the missing-page mask)\n")
+_WSD_INIT = ("    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 128 + 32, 128 + 1);"
+             "   // (+1: the page mask)\n")
 
 # ---- trace: clock64 stamps of the ws decode kernel's first item, CTA by CTA --------------
 # Each (anchor, replacement) must hit indexer.cu once (harness.substitute; the CPU test

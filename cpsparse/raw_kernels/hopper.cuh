@@ -190,10 +190,10 @@ __device__ __forceinline__ void cps_mbar_arrive_expect_tx(u32 bar, u32 bytes) {
                  :: "r"(bar), "r"(bytes) : "memory");
 }
 
-// The box of `map` at element coordinates (c0) / (c0, c1), innermost first, into shared
-// memory at `dst` (128-byte aligned; 1024 under a 128-byte swizzle), completing `bar`'s
-// transaction bytes. Elements past the map's dimensions land as zeros: the copy reads
-// nothing outside the tensor, whatever the coordinates.
+// The box of `map` at element coordinates (c0) / (c0, c1) / (c0, c1, c2), innermost first,
+// into shared memory at `dst` (128-byte aligned; 1024 under a 128-byte swizzle),
+// completing `bar`'s transaction bytes. Elements past the map's dimensions land as zeros:
+// the copy reads nothing outside the tensor, whatever the coordinates.
 __device__ __forceinline__ void cps_tma_load_1d(u32 dst, const CpsTensorMap* map, int c0, u32 bar) {
     asm volatile("cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes"
                  " [%0], [%1, {%2}], [%3];\n"
@@ -204,4 +204,10 @@ __device__ __forceinline__ void cps_tma_load_2d(u32 dst, const CpsTensorMap* map
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
                  " [%0], [%1, {%2, %3}], [%4];\n"
                  :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void cps_tma_load_3d(u32 dst, const CpsTensorMap* map, int c0, int c1,
+                                                int c2, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];\n"
+                 :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
 }

@@ -884,14 +884,15 @@ struct CpsIdxWsMeta {
 static_assert(CPS_IDX_WS_SMEM == CPS_IDX_WS_SMEM_LAUNCH,
               "the launcher's ws_smem_bytes() is not the layout the kernel carves");
 
-// The mbarriers of a warp-specialized CTA (thread 0; everyone syncs after): QFULL[2] (128
-// cp.async-completion arrivals and 32 after the metadata stores), QEMPTY[2] and KEMPTY[S]
-// (every math thread), KFULL[S] (``kfull_count`` arrivals).
+// The mbarriers of a warp-specialized CTA (thread 0; everyone syncs after): QFULL[2]
+// (``qfull_count`` arrivals), QEMPTY[2] and KEMPTY[S] (every math thread), KFULL[S]
+// (``kfull_count``).
 template <int S = CPS_IDX_WS_STAGES>
-__device__ __forceinline__ void cps_idx_ws_init_barriers(u32 bar, int kfull_count) {
+__device__ __forceinline__ void cps_idx_ws_init_barriers(u32 bar, int qfull_count,
+                                                         int kfull_count) {
     const u32 kfull = bar + 32, kempty = bar + 32 + 8 * S;
     for (int i = 0; i < 2; ++i) {
-        cps_mbar_init(bar + 8 * i, 128 + 32);
+        cps_mbar_init(bar + 8 * i, qfull_count);
         cps_mbar_init(bar + 16 + 8 * i, CPS_IDX_WS_MATH_THREADS);
     }
     for (int i = 0; i < S; ++i) {
@@ -999,9 +1000,9 @@ __device__ __forceinline__ float cps_idx_ws_row_logits(const float (&acc)[N], in
 // inside every row's window stored without checks.
 template <int HPC>
 __device__ __forceinline__ void cps_mqa_logits_ws_body(
-        const u8* __restrict__ q, const float* __restrict__ w, const int* __restrict__ ks,
-        const int* __restrict__ ke, float* __restrict__ out, int M, int N, int H, int hp,
-        int nblocks, const CpsTensorMap* kmap, const CpsTensorMap* smap) {
+        const float* __restrict__ w, const int* __restrict__ ks, const int* __restrict__ ke,
+        float* __restrict__ out, int M, int N, int H, int hp, int nblocks,
+        const CpsTensorMap* qmap, const CpsTensorMap* kmap, const CpsTensorMap* smap) {
     extern __shared__ u8 cps_idx_ws_smem_raw[];
     u8* base = cps_idx_ws_smem_raw + ((1024u - (cps_smem_u32(cps_idx_ws_smem_raw) & 1023u)) & 1023u);
     const u32 sbase = cps_smem_u32(base);
@@ -1014,18 +1015,27 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
     const u32 kfull = bar + 32, kempty = bar + 32 + 8 * CPS_IDX_WS_STAGES;
     const int tid = threadIdx.x, lane = tid & 31;
     const int rpc = 128 / hp;
-    if (tid == 0) cps_idx_ws_init_barriers(bar, 1);
+    // QFULL: 128 cp.async arrivals (the weights), 32 after the metadata stores and the
+    // query block's TMA bytes; KFULL: a stage's TMA bytes.
+    if (tid == 0) cps_idx_ws_init_barriers(bar, 128 + 32 + 1, 1);
+    // Query columns past rpc hp (hp not dividing 128), which no query TMA writes, read as
+    // zeros by the wgmma: cleared once, then fenced into the async proxy.
+    for (int i = tid; i < 2 * 128 * (CPS_IDX_D / 16); i += CPS_IDX_WS_THREADS) {
+        if (i % (128 * (CPS_IDX_D / 16)) >= rpc * hp * (CPS_IDX_D / 16))   // (16-byte chunks)
+            *reinterpret_cast<uint4*>(base + 16 * i) = make_uint4(0, 0, 0, 0);
+    }
+    cps_fence_proxy_async();
     __syncthreads();
 
     if (tid >= CPS_IDX_WS_MATH_THREADS) {
         // ---- producer warpgroup ----
-        // All 4 warps copy a block's queries and weights (cp.async, 16 bytes a thread:
-        // the query rows' heads are padded, which a tensor map of [M][H] rows cannot
-        // give) and write its -inf; one thread issues every key stage by TMA.
+        // All 4 warps copy a block's column weights (cp.async) and write its -inf; one
+        // thread issues its query block and every key stage by TMA.
         cps_setmaxnreg_dec<CPS_IDX_WS_PRODUCER_REGS>();
         const int ptid = tid & 127;                  // (tid - CPS_IDX_WS_MATH_THREADS, known >= 0)
         const int hpc = HPC > 0 ? HPC : hp;           // (a shift where the kernel knows it)
         if (ptid == 0) {
+            cps_tma_prefetch(qmap);
             cps_tma_prefetch(kmap);
             cps_tma_prefetch(smap);
         }
@@ -1068,23 +1078,18 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
                     m.nrows = nrows;
                 }
             }
-            // Query block: column n = row * hp + head (zero past H and past the rows).
-            // Thread ptid copies chunk ptid % 8 of columns 16 j + ptid / 8: one swizzled
-            // offset for every j (16 j keeps n % 8). Each column's row and head are worked
-            // out anew a block from an opaque copy of ptid: hoisted out of the block loop,
-            // the eight columns' spilled the producer's 32 registers.
-            const int qt = cps_opaque(ptid);
-            const u32 sq = sbase + qs * 128 * CPS_IDX_D + (qt >> 3) * CPS_IDX_D
-                           + (((qt & 7) ^ ((qt >> 3) & 7)) << 4);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int n = 16 * j + (qt >> 3);
-                const int rl = n / hpc, h = n - rl * hpc;
-                const bool valid = rl < nrows && h < H;
-                const u8* src = valid ? q + ((tok0 + rl) * H + h) * CPS_IDX_D + (qt & 7) * 16 : q;
-                cps_cp_async16(sq + j * 16 * CPS_IDX_D, src, valid);
+            // Query block by TMA (one thread): column n = row * hp + head, the box of
+            // qmap at row tok0 (zero past H and past the rows: outside the map).
+            if (ptid == 0) {
+                cps_mbar_arrive_expect_tx(bar + 8 * qs, 128 * hpc * rpc);
+                cps_tma_load_3d(sbase + qs * 128 * CPS_IDX_D, qmap, 0, 0, (int)tok0, bar + 8 * qs);
             }
+            // Its column weights by cp.async (a weights map would need H * 4 a multiple of
+            // 16 bytes). (The row and head worked out anew a block from an opaque copy of
+            // ptid: hoisted out of the block loop, such offsets spilled the producer's 32
+            // registers.)
             {
+                const int qt = cps_opaque(ptid);
                 const int rl = qt / hpc, h = qt - rl * hpc;
                 const bool valid = rl < nrows && h < H;
                 cps_cp_async4(sbase + CPS_IDX_WS_OFF_W + (qs * 128 + qt) * 4,
@@ -1142,9 +1147,8 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
         const long long tok0 = (long long)(nblocks - 1 - i) * rpc;
         const int qs = it & 1;
         cps_mbar_wait(bar + 8 * qs, (it >> 1) & 1);
-        // The query block's cp.async bytes -> the async proxy, once a block (the keys
-        // come by TMA, already in it).
-        cps_fence_proxy_async();
+        // (The query block and the keys come by TMA, in the async proxy already: no
+        // proxy fence before the wgmma reads them.)
         const CpsIdxWsMeta& m = meta[qs];
         const int t_lo = m.t_lo, t_hi = m.t_hi, nst = m.nst, nrows = m.nrows;
         // Column weights read from smem per column group (HPC 0), in registers for the
@@ -1231,16 +1235,17 @@ __device__ __forceinline__ void cps_mqa_logits_ws_body(
 }
 
 // _ws: any padded head count (hp | 128 or not); _ws_h64: hp = 64 (2 query tokens a block).
-// kmap: the key codes, uint8 [N][128] (box 128 x 256 rows, 128-byte swizzle); smap: the
-// key scales, float32 [N] (box 256): raw_kernels.indexer.prefill_map_encoders.
+// Tensor maps (raw_kernels.indexer.prefill_map_encoders), 128-byte swizzle for the codes:
+// qmap: the query codes, uint8 [M][H][128] (box 128 x hp x 128 // hp); kmap: the key
+// codes, uint8 [N][128] (box 128 x 256 rows); smap: the key scales, float32 [N] (box 256).
 #define CPS_MQA_WS_KERNEL(NAME, HPC)                                                          \
     extern "C" __global__ void __launch_bounds__(CPS_IDX_WS_THREADS, 1)                       \
-    NAME(const u8* __restrict__ q, const float* __restrict__ w, const int* __restrict__ ks,   \
-         const int* __restrict__ ke, float* __restrict__ out, int M, int N, int H, int hp,    \
-         int nblocks, const __grid_constant__ CpsTensorMap kmap,                              \
+    NAME(const float* __restrict__ w, const int* __restrict__ ks, const int* __restrict__ ke, \
+         float* __restrict__ out, int M, int N, int H, int hp, int nblocks,                   \
+         const __grid_constant__ CpsTensorMap qmap, const __grid_constant__ CpsTensorMap kmap, \
          const __grid_constant__ CpsTensorMap smap) {                                         \
         CPS_PDL_ENTRY();                                                                      \
-        cps_mqa_logits_ws_body<HPC>(q, w, ks, ke, out, M, N, H, hp, nblocks, &kmap, &smap);   \
+        cps_mqa_logits_ws_body<HPC>(w, ks, ke, out, M, N, H, hp, nblocks, &qmap, &kmap, &smap); \
     }
 CPS_MQA_WS_KERNEL(cps_mqa_logits_ws, 0)
 CPS_MQA_WS_KERNEL(cps_mqa_logits_ws_h64, 64)
@@ -1542,7 +1547,7 @@ __device__ __forceinline__ void cps_paged_ws_body(
     const u32 bar = sbase + L::OFF_BAR;
     const u32 kfull = bar + 32, kempty = bar + 32 + 8 * S;
     const int tid = threadIdx.x, lane = tid & 31;
-    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 128 + 1);   // (+1: the missing-page mask)
+    if (tid == 0) cps_idx_ws_init_barriers<S>(bar, 128 + 32, 128 + 1);   // (+1: the page mask)
     __syncthreads();
 
     if (tid >= CPS_IDX_WS_MATH_THREADS) {

@@ -119,9 +119,9 @@ raw_kernels.register_module(
 # C parameter lists (raw_kernels.Kernel letters).
 # cps_mqa_logits_mma: q, kc, ksc, w, ks, ke, out, M, N, H, hp, nblocks
 MQA_ARGS = "PPPPPPP iiiii"
-# cps_mqa_logits_ws[_h64]: q, w, ks, ke, out, M, N, H, hp, nblocks, and the tensor maps of
-# the key codes and of their scales (prefill_map_encoders)
-MQA_WS_ARGS = "PPPPP iiiii TT"
+# cps_mqa_logits_ws[_h64]: w, ks, ke, out, M, N, H, hp, nblocks, and the tensor maps of the
+# query codes, the key codes and the key scales (prefill_map_encoders)
+MQA_WS_ARGS = "PPPP iiiii TTT"
 # cps_paged_mqa_logits_*: q, cache, w, lens, lens_2d, bt, bt_cols, num_blocks, out, width,
 # next_n, H, hp, nch, bs_shift, piece_tiles
 PAGED_ARGS = "PPPP i P ii P iiiiiii"
@@ -176,14 +176,18 @@ def supports_prefill(q_codes, k_codes):
 _PREFILL_LAUNCHES: dict[Any, Any] = {}
 
 
-def prefill_map_encoders(n):
-    """The encoders (:class:`raw_kernels.TensorMapEncoder`) of the ws prefill kernels' two
-    ``CUtensorMap`` parameters for ``n`` keys: the codes as uint8 [n][D] in boxes of a
-    stage's keys (D x TILE * WS_MATH) under the 128-byte swizzle of the kernel's key
-    ring, and their float32 scales [n] in boxes of a stage."""
-    keys = TILE * WS_MATH
-    return (raw_kernels.TensorMapEncoder(raw_kernels.TMAP_UINT8, (D, n), (D, keys),
-                                         raw_kernels.TMAP_SWIZZLE_128B),
+def prefill_map_encoders(m, heads, n):
+    """The encoders (:class:`raw_kernels.TensorMapEncoder`) of the ws prefill kernels' three
+    ``CUtensorMap`` parameters for ``m`` queries of ``heads`` heads over ``n`` keys, the
+    codes under the 128-byte swizzle of the kernel's shared memory: the query codes as
+    uint8 [m][heads][D] in boxes of a query block (D x hp x 128 // hp: heads past
+    ``heads`` and rows past ``m`` land as zeros), the key codes as uint8 [n][D] in boxes
+    of a stage's keys (D x TILE * WS_MATH), their float32 scales [n] in boxes of a
+    stage."""
+    keys, hp = TILE * WS_MATH, _round8(heads)
+    swizzle, u8 = raw_kernels.TMAP_SWIZZLE_128B, raw_kernels.TMAP_UINT8
+    return (raw_kernels.TensorMapEncoder(u8, (D, heads, m), (D, hp, 128 // hp), swizzle),
+            raw_kernels.TensorMapEncoder(u8, (D, n), (D, keys), swizzle),
             raw_kernels.TensorMapEncoder(raw_kernels.TMAP_FLOAT32, (n,), (keys,)))
 
 
@@ -211,14 +215,14 @@ def prepare_prefill(cp, m, n, heads, path=None, ctas=None):
                      MQA_WS_ARGS, smem)
         grid = min(nblocks, raw_kernels.device_facts().sms if ctas is None else int(ctas))
         launch = fn.launcher((grid,), (WS_THREADS,), smem)
-        codes_map, scales_map = prefill_map_encoders(n)
+        query_map, codes_map, scales_map = prefill_map_encoders(m, heads, n)
 
         def run(q_codes, k_codes, k_scales, weights, ks, ke, out):
             if out is None:
                 out = raw_kernels.empty(cp, shape, cp.float32)
             if k_scales.data.ptr % 16:         # (TMA reads from 16-byte aligned tensors)
                 k_scales = cp.ascontiguousarray(k_scales.ravel(), dtype=cp.float32).copy()
-            launch((q_codes, weights, ks, ke, out, m, n, heads, hp, nblocks,
+            launch((weights, ks, ke, out, m, n, heads, hp, nblocks, query_map(q_codes.data.ptr),
                     codes_map(k_codes.data.ptr), scales_map(k_scales.data.ptr)))
             return out
     else:
