@@ -216,3 +216,31 @@ def test_decode_pages_stream_past_half_the_l2(batch, width, fp4, stream):
     # a cache of fewer keys than batch x width bounds the bytes read
     assert kin.l2_streams(batch, width, fp4, 2 * pages - 1, batch * width - 1) is False
     assert kin.l2_streams(batch, width, fp4, 2 * pages - 1, batch * width) is True
+
+
+# ---- prefill scoring: the tensor maps of the ws kernels --------------------------------
+
+@pytest.mark.parametrize("heads", [64, 60, 24, 128, 8])
+def test_prefill_tensor_maps_give_the_kernels_boxes(monkeypatch, heads):
+    """prefill_map_encoders: the query codes as [m][heads][D] in boxes of a query block
+    (D x hp x 128 // hp: the bytes the kernel expects on QFULL, 128 hp rpc), the key codes
+    as [n][D] in boxes of a stage under the 128-byte swizzle of its ring and the scales as
+    [n] in boxes of a stage (together the KEYS (D + 4) bytes it expects on a KFULL), zeros
+    out of bounds (CPU: the driver faked, its arguments recorded)."""
+    calls = []
+
+    def encode(at, dtype, rank, ptr, dims, strides, box, estr, inter, swizzle, l2, oob):
+        calls.append((dtype, list(dims[:rank]), list(strides[:rank - 1]), list(box[:rank]),
+                      swizzle, oob))
+        return 0
+    monkeypatch.setattr(raw_kernels, "_driver_fn", lambda name: encode)
+    m, n = 1000, 5000
+    hp = -(-heads // 8) * 8
+    for encoder, ptr in zip(kin.prefill_map_encoders(m, heads, n), (1 << 20, 2 << 20, 3 << 20)):
+        assert len(encoder(ptr)) == 128
+    u8, f32, swz = raw_kernels.TMAP_UINT8, raw_kernels.TMAP_FLOAT32, raw_kernels.TMAP_SWIZZLE_128B
+    keys = kin.TILE * kin.WS_MATH
+    assert calls == [(u8, [kin.D, heads, m], [kin.D, heads * kin.D], [kin.D, hp, 128 // hp],
+                      swz, 0),
+                     (u8, [kin.D, n], [kin.D], [kin.D, keys], swz, 0),
+                     (f32, [n], [], [keys], raw_kernels.TMAP_SWIZZLE_NONE, 0)]
