@@ -770,16 +770,16 @@ class TensorMapEncoder:
         if encode is None:
             raise RuntimeError("cuTensorMapEncodeTiled: no CUDA driver of 12.0 or newer")
         dtype, rank, *rest = self._args
-        with self._lock:
+        with self._lock:                    # (one output buffer; the memo's eviction)
             rc = encode(self._at, dtype, rank, ptr, *rest)
             if rc != 0:
                 raise RuntimeError(f"cuTensorMapEncodeTiled refused dims {self.dims}, box "
                                    f"{self.box}: CUresult {rc}")
             got = ctypes.string_at(self._at, 128)
-        if self._memo_size:
-            if len(self._memo) >= self._memo_size:
-                self._memo.pop(next(iter(self._memo)))          # the oldest
-            self._memo[ptr] = got
+            if self._memo_size:
+                if len(self._memo) >= self._memo_size:
+                    self._memo.pop(next(iter(self._memo)))      # the oldest
+                self._memo[ptr] = got
         return got
 
 
