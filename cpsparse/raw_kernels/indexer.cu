@@ -846,13 +846,14 @@ CPS_PAGED_KERNEL(cps_paged_mqa_logits_fp4_wgmma_n128m_h64_s3, 128, true, false, 
 //   math warpgroup g: keys [64 g, 64 g + 64) of each stage against the whole query block,
 //     the products and the epilogue of cps_idx_cta (bit-identical logits); a quarter
 //     past t_hi is skipped.
-// mbarriers: QFULL[2] (128 cp.async-completion arrivals and 32 after the metadata
-// stores), QEMPTY[2] and KEMPTY[S] (every math thread, after its wgmma read the slot),
-// KFULL[S] (one arrival with the stage's TMA bytes). A stage is two TMA copies issued by
-// one producer thread (kmap: the keys' codes as [N][128 B] under the 128-byte swizzle of
-// the ring; smap: their scales as [N]); keys past N land as zeros. Keys past the rows'
-// largest window end hi are loaded and never stored; they and every key outside a row's
-// window score -inf.
+// mbarriers: QFULL[2] (128 cp.async-completion arrivals for the weights, 32 after the
+// metadata stores, one with the query block's TMA bytes), QEMPTY[2] and KEMPTY[S] (every
+// math thread, after its wgmma read the slot), KFULL[S] (one arrival with the stage's TMA
+// bytes). One producer thread issues the TMA copies: a query block (qmap: the query codes
+// as [M][H][128 B]) and each stage's two (kmap: the keys' codes as [N][128 B]; smap: their
+// scales as [N]), the codes under the 128-byte swizzle of the slots; what lies past a
+// map's bounds lands as zeros. Keys past the rows' largest window end hi are loaded and
+// never stored; they and every key outside a row's window score -inf.
 // CPS_IDX_WS_MATH and CPS_IDX_WS_STAGES are #defined by the launcher.
 #define CPS_IDX_WS_KEYS (CPS_IDX_TILE * CPS_IDX_WS_MATH)
 #define CPS_IDX_WS_MATH_THREADS (128 * CPS_IDX_WS_MATH)
