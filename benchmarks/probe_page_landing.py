@@ -28,12 +28,12 @@ from page 0 to page 3 in a CTA. ``--check`` first compares the TMA stage with th
 cp.async one byte for byte (codes swizzled, scales) and one swizzled key row with the
 host's bytes. Results: stdout and ``$OUT/probe_page_landing.json`` when set.
 
-The tensor map is encoded on the host by libcuda's ``cuTensorMapEncodeTiled`` (ctypes: no
-CUDA Python package needed) and kept in device memory, whose address the copies take.
+The tensor map is encoded on the host by libcuda's ``cuTensorMapEncodeTiled``
+(:func:`cpsparse.raw_kernels.tensor_map`) and kept in device memory, whose address the
+copies take.
 """
 
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -137,21 +137,13 @@ def tensor_map_args(pages):
 
 def encode_tensor_map(ptr, pages):
     """The 128-byte CUtensorMap of the codes of a cache at device address ``ptr``: uint8,
-    128-byte swizzle (the fp8 ring's layout), L2 promotion 256 B, no interleave, no
-    out-of-bounds fill. Raises RuntimeError with the CUresult if libcuda refuses it."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-    fn = cuda.cuTensorMapEncodeTiled
-    fn.restype = ctypes.c_int
-    dims, strides, box, estr = tensor_map_args(pages)
-    tmap = (ctypes.c_uint8 * 128)()
-    # CU_TENSOR_MAP_DATA_TYPE_UINT8 = 0, rank 3, INTERLEAVE_NONE = 0, SWIZZLE_128B = 3,
-    # L2_PROMOTION_L2_256B = 3, FLOAT_OOB_FILL_NONE = 0
-    rc = fn(ctypes.byref(tmap), 0, 3, ctypes.c_void_p(ptr), (ctypes.c_uint64 * 3)(*dims),
-            (ctypes.c_uint64 * 2)(*strides), (ctypes.c_uint32 * 3)(*box),
-            (ctypes.c_uint32 * 3)(*estr), 0, 3, 3, 0)
-    if rc != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled refused the cache's map: CUresult {rc}")
-    return bytes(tmap)
+    128-byte swizzle (the fp8 ring's layout), by cpsparse's own encoder
+    (:func:`cpsparse.raw_kernels.tensor_map`). Raises RuntimeError with the CUresult if
+    libcuda refuses it."""
+    from cpsparse import raw_kernels
+    dims, strides, box, _ = tensor_map_args(pages)
+    return raw_kernels.tensor_map(ptr, raw_kernels.TMAP_UINT8, dims, box,
+                                  raw_kernels.TMAP_SWIZZLE_128B, strides=strides)
 
 
 def summarize(stamps, mhz):

@@ -47,3 +47,20 @@ def test_encode_refuses_loudly_or_gives_128_bytes():
         assert "CUresult" in str(e)
     else:
         assert len(tmap) == 128
+
+
+def test_encode_asks_the_driver_for_the_pages_map(monkeypatch):
+    """The probe's map goes through cpsparse's encoder with the probe's page stride (not
+    the contiguous one), the 128-byte swizzle and every element (CPU: the driver faked)."""
+    from cpsparse import raw_kernels
+    calls = []
+
+    def encode(at, dtype, rank, ptr, dims, strides, box, estr, inter, swizzle, l2, oob):
+        calls.append((dtype, rank, ptr, tuple(dims[:rank]), tuple(strides[:rank - 1]),
+                      tuple(box[:rank]), tuple(estr[:rank]), swizzle))
+        return 0
+    monkeypatch.setattr(raw_kernels, "_driver_fn", lambda name: encode)
+    assert len(probe.encode_tensor_map(1 << 20, probe.PAGES)) == 128
+    dims, strides, box, estr = probe.tensor_map_args(probe.PAGES)
+    assert calls == [(raw_kernels.TMAP_UINT8, 3, 1 << 20, dims, strides, box, estr,
+                      raw_kernels.TMAP_SWIZZLE_128B)]

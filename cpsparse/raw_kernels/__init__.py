@@ -482,8 +482,8 @@ class Kernel:
 
     ``signature`` has one letter a parameter: ``P`` a pointer (a CuPy array, or
     None for NULL), ``i`` int32, ``q`` int64, ``f`` float32, ``T`` a 128-byte
-    ``CUtensorMap`` passed by value (``bytes`` from :func:`tensor_map`; the kernel
-    declares it ``const __grid_constant__ CpsTensorMap``) (spaces ignored). The
+    ``CUtensorMap`` passed by value (``bytes`` from a :class:`TensorMapEncoder`; the
+    kernel declares it ``const __grid_constant__ CpsTensorMap``) (spaces ignored). The
     first lookup checks it against the compiled function's parameter sizes
     (``cuFuncGetParamInfo``, where the driver has it).
 
@@ -724,7 +724,8 @@ class TensorMapEncoder:
     signature letter ``T`` (:class:`Kernel`).
 
     ``dims`` and ``box`` are innermost first (a row-major [rows, cols] array is
-    ``(cols, rows)``); the strides are the contiguous ones. A box reaching past ``dims``
+    ``(cols, rows)``); ``strides``, the byte strides of dims 1 onwards, default to the
+    contiguous ones. A box reaching past ``dims``
     is zero-filled, and its bytes still count towards the copy's ``complete_tx``. No
     interleave, L2 promotion of 256 bytes.
 
@@ -738,12 +739,14 @@ class TensorMapEncoder:
     not a multiple of 16 bytes), RuntimeError where the driver is missing or refuses it.
     """
 
-    def __init__(self, dtype, dims, box, swizzle=TMAP_SWIZZLE_NONE, memo=8):
+    def __init__(self, dtype, dims, box, swizzle=TMAP_SWIZZLE_NONE, memo=8, strides=None):
         esize = _TMAP_ELEMENT_BYTES[dtype]
         dims, box = [int(d) for d in dims], [int(b) for b in box]
-        strides: list[int] = []
-        for d in dims[:-1]:
-            strides.append((strides[-1] if strides else esize) * d)
+        if strides is None:
+            strides = []
+            for d in dims[:-1]:
+                strides.append((strides[-1] if strides else esize) * d)
+        strides = [int(s) for s in strides]
         if any(s % 16 for s in strides) or (box[0] * esize) % 16 \
                 or not all(1 <= b <= 256 for b in box) or not all(d >= 1 for d in dims):
             raise ValueError(f"Invalid tensor map: dims {dims}, box {box} (1..256, rows of "
@@ -783,9 +786,9 @@ class TensorMapEncoder:
         return got
 
 
-def tensor_map(ptr, dtype, dims, box, swizzle=TMAP_SWIZZLE_NONE):
+def tensor_map(ptr, dtype, dims, box, swizzle=TMAP_SWIZZLE_NONE, strides=None):
     """One ``CUtensorMap`` (:class:`TensorMapEncoder` of this shape, called once)."""
-    return TensorMapEncoder(dtype, dims, box, swizzle, memo=0)(ptr)
+    return TensorMapEncoder(dtype, dims, box, swizzle, memo=0, strides=strides)(ptr)
 
 
 def _libcuda():

@@ -221,7 +221,7 @@ def prepare_prefill(cp, m, n, heads, path=None, ctas=None):
             if out is None:
                 out = raw_kernels.empty(cp, shape, cp.float32)
             if k_scales.data.ptr % 16:         # (TMA reads from 16-byte aligned tensors)
-                k_scales = cp.ascontiguousarray(k_scales.ravel(), dtype=cp.float32).copy()
+                k_scales = k_scales.ravel().copy()
             launch((weights, ks, ke, out, m, n, heads, hp, nblocks, query_map(q_codes.data.ptr),
                     codes_map(k_codes.data.ptr), scales_map(k_scales.data.ptr)))
             return out
