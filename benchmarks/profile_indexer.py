@@ -31,6 +31,12 @@ on an H100, one variant for two rounds did not finish in 160 s (each source comp
 about 20 s there, and the inputs of the B=64 shapes take a while to make): give it at
 least 300 s.
 
+``python3 -m benchmarks.profile_indexer fusion [--rounds=N]`` measures what fusing the fp8
+decode scoring with the top-k (k = 2048) could gain, on FUSION_SHAPES: the scoring kernel,
+the top-k kernel on its logits, the two in one graph, and the scoring as variant
+``no_logits_store`` (every logit computed, none written: the most a fused kernel's scoring
+could save), CUDA-graph replays (``fusion``).
+
 ``python3 -m benchmarks.profile_indexer trace [B CTX NEXT_N] [--variant=NAME]`` (default
 1 32768 1, the kernel as it is; ``bash
 tools/gpu_check.sh profile`` runs it) instead launches the fp8 ws decode kernel with
@@ -583,9 +589,21 @@ _IDS_SHUFFLED = [
      "                pg[pq] = (u32)id < (u32)num_blocks ? id : -1;\n"
      "            }\n"),
 ]
+# Every logit computed as the kernels compute it, none stored (fusion's bound): each store
+# behind a test no logit of these inputs passes (one NaN payload), so the epilogue stays.
+_NO_LOGITS_STORE = [
+    ("                    if (t < 2) rowp[r][t0] = v;\n",
+     "                    if (t < 2 && __float_as_uint(v) == 0x7fc0beefu) rowp[r][t0] = v;\n"),
+    ("                } else if (t < 2 && col < t_hi) {\n"
+     "                    out[(row0 + r) * (long long)width + col] = col < rhi[r] ? v : CPS_NEG_INF;\n",
+     "                } else if (t < 2 && col < t_hi && __float_as_uint(v) == 0x7fc0beefu) {\n"
+     "                    out[(row0 + r) * (long long)width + col] = col < rhi[r] ? v : CPS_NEG_INF;\n"),
+]
+
 VARIANTS = {"kfull_per_page": _KFULL_PAGE, "kfull_per_page_early": _KFULL_PAGE_EARLY,
             "kfull_per_page_early_uniform": _KFULL_PAGE_EARLY_UNIFORM, "kfull_early": _KFULL_EARLY,
-            "math_parked": _MATH_PARKED, "ids_shuffled": _IDS_SHUFFLED}
+            "math_parked": _MATH_PARKED, "ids_shuffled": _IDS_SHUFFLED,
+            "no_logits_store": _NO_LOGITS_STORE}
 # CpsWsdLayout's mbarrier count: 4 + N S (QFULL, QEMPTY; N a stage)
 _LAYOUT_BARRIERS = re.compile(r"OFF_PM = OFF_BAR \+ \(4 \+ (\d+) \* S\) \* 8;")
 
@@ -714,6 +732,65 @@ def ab(names, rounds=3, shapes=AB_SHAPES):
     return times, same
 
 
+# (batch, context, next_n) of the fusion bound: the fp8 decode rows of DESIGN section 12
+FUSION_SHAPES = ((1, 32768, 1), (4, 131072, 1), (64, 32768, 1), (64, 32768, 2), (256, 4096, 1))
+
+
+def fusion(rounds=3, k=2048, shapes=FUSION_SHAPES):
+    """What fusing the decode scoring with the top-k (the logits never written) could gain,
+    measured: for each fp8 decode shape, CUDA-graph replays (10 calls over 3 fresh input
+    sets) of the scoring kernel as it is (clean_logits=False, as the layer calls it), the
+    top-k kernel on its logits (k, the decode rows' windows), the two in one graph, and
+    the scoring as variant no_logits_store (every logit computed, none stored): a fused
+    kernel's scoring can be no faster than that, and its selection and the merge of a
+    row's CTAs come on top. Rounds alternate the order. Prints a line a shape (medians,
+    us) with ``two / no_store``, the most fusion could gain; returns {shape: {what: [us
+    a round]}}."""
+    import statistics
+
+    import cupy as cp
+
+    from cpsparse import timing
+    from cpsparse.raw_kernels import indexer as ki
+    from cpsparse.raw_kernels import topk as kt
+    whats = ("scoring", "topk", "two", "no_store")
+    times = {s: {w: [] for w in whats} for s in shapes}
+    for s in shapes:
+        b, ctx, next_n = s
+        cache, _, table, queries = _decode_case(cp, b, ctx)
+        sets = []
+        for i in range(3):
+            cp.random.seed(100 + i)
+            lens, q8, w, out = queries(next_n)
+            sets.append((lens, q8, w, out, cp.empty((b * next_n, k), cp.int32)))
+
+        def scoring(lens, q8, w, out, idx):
+            return ki.paged_mqa_logits(cp, q8, cache, w, lens, table, ctx, out=out,
+                                       clean_logits=False)
+
+        def topk(lens, q8, w, out, idx):
+            return kt.topk_per_row_decode(cp, out, lens, next_n, k, idx)
+
+        def two(*args):
+            scoring(*args)
+            return topk(*args)
+        for a in sets:                              # (logits for the top-k's own graph)
+            scoring(*a)
+        fns = {"scoring": scoring, "topk": topk, "two": two}
+        for rnd in range(rounds):
+            for what in (whats if rnd % 2 == 0 else whats[::-1]):
+                if what == "no_store":
+                    with variant_in_force("no_logits_store"):
+                        t = timing.time_graph(scoring, sets, reps=10, warmup=3, iters=40)
+                else:
+                    t = timing.time_graph(fns[what], sets, reps=10, warmup=3, iters=40)
+                times[s][what].append(t["median_ms"] * 1e3)
+        med = {w: statistics.median(times[s][w]) for w in whats}
+        print(f"B={b} x {ctx} next_n {next_n}: " + ", ".join(f"{w} {med[w]:.2f}" for w in whats)
+              + f" | two / no_store {med['two'] / med['no_store']:.3f}", flush=True)
+    return times
+
+
 # mode -> (its file argument, reader, printer, what an empty read means)
 READERS = {"--parse": ("NCU_REPORT", parse, summary, "did ncu run?"),
            "--source": ("SOURCE_CSV", read_source, source_summary,
@@ -738,6 +815,10 @@ def main(argv):
             if v not in VARIANTS:
                 raise SystemExit(f"unknown variant {v} (variants: {', '.join(VARIANTS)})")
         trace(*sizes[:3], *variants[-1:])
+        return 0
+    if argv[:1] == ["fusion"]:
+        rounds = [int(a.split("=")[1]) for a in argv[1:] if a.startswith("--rounds=")]
+        fusion(*rounds[-1:])
         return 0
     if argv[:1] == ["ab"]:
         names = [a for a in argv[1:] if not a.startswith("--rounds=")]

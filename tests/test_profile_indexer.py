@@ -207,3 +207,17 @@ def test_ab_refuses_unknown_or_missing_variants():
         P.main(["ab"])
     with pytest.raises(SystemExit, match="unknown variant nope"):
         P.main(["trace", "1", "32768", "1", "--variant=nope"])
+
+
+def test_no_logits_store_variant_guards_every_logit_store_of_the_ws_decode_math():
+    # fusion's bound: both stores of the ws decode epilogue stay in the source (the logits
+    # are still computed) behind the one NaN-payload test, and nothing else changes.
+    from cpsparse import raw_kernels
+    base = raw_kernels.module_source("indexer")
+    src = P.variant_source(base, "no_logits_store")
+    assert src.count("__float_as_uint(v) == 0x7fc0beefu") == 2
+    assert "0x7fc0beef" not in base
+    assert src.count("rowp[r][t0] = v;") == base.count("rowp[r][t0] = v;")
+    assert src.replace(" && __float_as_uint(v) == 0x7fc0beefu", "") == base
+    # (its shapes: fp8 decode rows the A/B times too)
+    assert set(P.FUSION_SHAPES) <= {(b, c, n) for b, c, n, fp4 in P.AB_SHAPES if not fp4}
