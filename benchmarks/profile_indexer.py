@@ -797,6 +797,13 @@ READERS = {"--parse": ("NCU_REPORT", parse, summary, "did ncu run?"),
                         "did ncu --page source run?")}
 
 
+def _rounds(args):
+    """([N] of the last ``--rounds=N`` among ``args``, or [] for the mode's default; the
+    other arguments)."""
+    rounds = [int(a.split("=", 1)[1]) for a in args if a.startswith("--rounds=")]
+    return rounds[-1:], [a for a in args if not a.startswith("--rounds=")]
+
+
 def main(argv):
     if argv[:1] and argv[0] in READERS:
         what, read, show, hint = READERS[argv[0]]
@@ -817,18 +824,19 @@ def main(argv):
         trace(*sizes[:3], *variants[-1:])
         return 0
     if argv[:1] == ["fusion"]:
-        rounds = [int(a.split("=")[1]) for a in argv[1:] if a.startswith("--rounds=")]
-        fusion(*rounds[-1:])
+        rounds, rest = _rounds(argv[1:])
+        if rest:
+            raise SystemExit("usage: python3 -m benchmarks.profile_indexer fusion [--rounds=N]")
+        fusion(*rounds)
         return 0
     if argv[:1] == ["ab"]:
-        names = [a for a in argv[1:] if not a.startswith("--rounds=")]
-        rounds = [int(a.split("=")[1]) for a in argv[1:] if a.startswith("--rounds=")]
+        rounds, names = _rounds(argv[1:])
         unknown = sorted(set(names) - set(VARIANTS))
         if not names or unknown:
             raise SystemExit("usage: python3 -m benchmarks.profile_indexer ab VARIANT... "
                              f"[--rounds=N] (variants: {', '.join(VARIANTS)}; unknown: "
                              f"{', '.join(unknown) or 'none'})")
-        ab(names, *rounds[-1:])
+        ab(names, *rounds)
         return 0
     launch()
     return 0

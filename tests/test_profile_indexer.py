@@ -207,6 +207,8 @@ def test_ab_refuses_unknown_or_missing_variants():
         P.main(["ab"])
     with pytest.raises(SystemExit, match="unknown variant nope"):
         P.main(["trace", "1", "32768", "1", "--variant=nope"])
+    with pytest.raises(SystemExit, match="fusion \\[--rounds=N\\]"):
+        P.main(["fusion", "--round=2"])
 
 
 def test_no_logits_store_variant_guards_every_logit_store_of_the_ws_decode_math():
