@@ -56,6 +56,7 @@
 
 #define TK_BINS 2048
 #define TK_RANK_MAX 512
+#define TK_RANK_SCAN_MAX 32
 #define TK_MAX_CLUSTER 16
 
 struct TkSmem {
@@ -386,6 +387,87 @@ __device__ __forceinline__ u32 tk_sum_ranks(const u32* p) {
     return s;
 }
 
+// The rank finish (tk_rank_finish) of more than TK_RANK_SCAN_MAX candidates. Counting
+// each one's rank over the whole list costs m^2 / 32 warp steps, each waiting on a
+// shared-memory load: 9 us at m = 409 in one CTA, which a decode row of the scoring
+// kernel's logits reaches (their threshold bin is crowded where normal rows' is not).
+// Instead the m packed candidates list[0, m) (distinct) are counting-sorted into THREADS
+// buckets by their key's place in [kmin, kmax], highest keys first, into bucket[0, m):
+// a candidate's rank is the count in the buckets before its own plus its rank inside
+// its bucket (one or two on these lists; all of them when every key is equal). Every
+// thread takes part; the candidates c = first, first + step, ... whose rank is below
+// need go to orow[base + rank] (out(position)). cnt and at: THREADS words each; red:
+// 2 * THREADS / 32 words; wtot: 32 words. Five barriers.
+template <int THREADS, class Out>
+__device__ __forceinline__ void tk_bucket_rank(const u64* list, u32 m, u64* bucket, u32* cnt,
+                                               u32* at, u32* red, u32* wtot, u32 need,
+                                               u32 base, int k, int* __restrict__ orow,
+                                               u32 first, u32 step, int tid, Out out) {
+    constexpr int NW = THREADS / 32;
+    constexpr int LOG_BUCKETS = THREADS == 512 ? 9 : THREADS == 256 ? 8 : -1;
+    static_assert(LOG_BUCKETS > 0, "a bucket a thread: 256 or 512 threads");
+    const u32 full = 0xffffffffu;
+    const int lane = tid & 31, warp = tid >> 5;
+    u32 lo = 0xFFFFFFFFu, hi = 0u;
+    for (u32 c = (u32)tid; c < m; c += THREADS) {
+        const u32 key = (u32)(list[c] >> 32);
+        lo = min(lo, key);
+        hi = max(hi, key);
+    }
+    lo = __reduce_min_sync(full, lo);
+    hi = __reduce_max_sync(full, hi);
+    if (lane == 0) {
+        red[warp] = lo;
+        red[NW + warp] = hi;
+    }
+    cnt[tid] = 0u;
+    __syncthreads();
+    u32 kmin = red[0], kmax = red[NW];
+#pragma unroll
+    for (int w = 1; w < NW; ++w) {
+        kmin = min(kmin, red[w]);
+        kmax = max(kmax, red[NW + w]);
+    }
+    // (key - kmin) >> shift < THREADS; bucket 0 holds the highest keys
+    const u32 span = kmax - kmin;
+    const int shift = max(0, (span ? 32 - __clz(span) : 0) - LOG_BUCKETS);
+    auto bucket_of = [&](u64 v) -> u32 {
+        return (u32)(THREADS - 1) - ((((u32)(v >> 32)) - kmin) >> shift);
+    };
+    for (u32 c = (u32)tid; c < m; c += THREADS) atomicAdd(&cnt[bucket_of(list[c])], 1u);
+    __syncthreads();
+    const u32 x = cnt[tid];                        // exclusive scan: bucket tid's start
+    u32 incl = x;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(full, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) wtot[warp] = incl;
+    __syncthreads();
+    u32 before = 0u;
+    for (int w = 0; w < warp; ++w) before += wtot[w];
+    at[tid] = before + incl - x;
+    __syncthreads();
+    for (u32 c = (u32)tid; c < m; c += THREADS) {
+        const u64 v = list[c];
+        bucket[atomicAdd(&at[bucket_of(v)], 1u)] = v;
+    }
+    __syncthreads();                               // at[b]: the end of bucket b
+    for (u32 c = first; c < m; c += step) {
+        const u64 me = list[c];
+        const u32 b = bucket_of(me);
+        const u32 end = at[b], start = end - cnt[b];
+        if (start >= need) continue;
+        u32 r = start;
+        for (u32 j = start; j < end; ++j) r += bucket[j] > me ? 1u : 0u;
+        if (r < need) {
+            const u32 p = base + r;
+            if (p < (u32)k) orow[p] = out((int)~(u32)me);
+        }
+    }
+}
+
 // Select modes: a round that may finish with the tie cursor only when all the
 // candidates at its threshold are needed; the last round (always finishes).
 #define TK_ROUND 0
@@ -700,6 +782,15 @@ __device__ __forceinline__ void tk_body(TK_PARAMS) {
             }
             tk_cluster_sync<C>();                         // copies done everywhere
         }
+        if (m > TK_RANK_SCAN_MAX) {
+            // every CTA holds the whole list now, and no other reads its histograms or
+            // its other buffer: those are the buckets' scratch
+            tk_bucket_rank<THREADS>(cs, m, cand(gb ^ 1), s.hist[0], s.hist[1],
+                                    s.hist[0] + THREADS, s.wtot, need, base, k, orow,
+                                    (u32)(tid * C + rank), (u32)(C * THREADS), tid,
+                                    [&](int i) { return tk_out(s, i); });
+            return;
+        }
         for (u32 c = (u32)(warp * C + rank); c < m; c += NW * C) {
             const u64 me = cs[c];
             u32 cnt = 0u;
@@ -988,9 +1079,11 @@ __device__ __forceinline__ void tk_srow_body(TK_PARAMS) {
     constexpr int NW = THREADS / 32;
     constexpr int BPT = TK_BINS / THREADS;
     static_assert(TK_BINS % THREADS == 0, "bins per thread");
-    static_assert(TK_BINS / 2 >= TK_RANK_MAX, "the rank list lives in the histogram");
+    static_assert(TK_BINS / 4 >= TK_RANK_MAX, "the rank list and its buckets live in the "
+                  "histogram");
     const u32 full = 0xffffffffu;
     __shared__ TkRowState s;
+    __shared__ u32 rank_scratch[2 * THREADS + 2 * NW];   // tk_bucket_rank's counts
     // The histogram of a round; once its threshold is chosen (select), the rank list
     // of packed candidates (tk_pack) until the next round clears it.
     __shared__ __align__(16) u32 hist[TK_BINS];
@@ -1156,6 +1249,13 @@ __device__ __forceinline__ void tk_srow_body(TK_PARAMS) {
     auto rank_select = [&]() {
         __syncthreads();                           // the list is complete
         const u32 m = s.eq_tot, need = s.need, base = s.emitted;
+        if (m > TK_RANK_SCAN_MAX) {                // the buckets: hist's second half
+            tk_bucket_rank<THREADS>(list, m, list + TK_BINS / 4, rank_scratch,
+                                    rank_scratch + THREADS, rank_scratch + 2 * THREADS,
+                                    s.wtot, need, base, k, orow, (u32)tid, (u32)THREADS, tid,
+                                    [&](int i) { return tk_out(map, i); });
+            return;
+        }
         for (u32 c = (u32)warp; c < m; c += NW) {
             const u64 me = list[c];
             u32 cnt = 0u;
