@@ -782,7 +782,10 @@ __device__ __forceinline__ void tk_body(TK_PARAMS) {
             }
             tk_cluster_sync<C>();                         // copies done everywhere
         }
-        if (m > TK_RANK_SCAN_MAX) {
+        // Clusters of 4 CTAs or more share the scan among more warps (m / (C NW) candidates
+        // a warp), so that the buckets' five barriers in every CTA cost more than they save
+        // (measured 2-8% slower at 8 and 16 CTAs a row, B=1 and 4 decode rows).
+        if (C <= 2 && m > TK_RANK_SCAN_MAX) {
             // every CTA holds the whole list now, and no other reads its histograms or
             // its other buffer: those are the buckets' scratch
             tk_bucket_rank<THREADS>(cs, m, cand(gb ^ 1), s.hist[0], s.hist[1],
