@@ -17,10 +17,22 @@ A maximum far above the p90 is one slow CTA (a cluster's fallback that rescans i
 slice), which sets the kernel's time. No ablations: with a part of the filter pass
 removed, the compiler drops what fed it too (an early try timed a pass that no longer
 computed anything). Results: stdout and ``$OUT/profile_topk.json`` when set.
+
+``python3 -m benchmarks.profile_topk logits [--base=PATH] [--rounds=N]`` times the decode
+top-k (the default plan, CUDA-graph replays) on the paged scoring kernel's own logits
+(``profile_indexer``'s random keys and queries, clean_logits=False as the layer calls it)
+and on standard normal and student-t(3) rows of the same shapes, each selection checked
+(the k largest values, distinct positions). Those logits are heavy tailed and their
+threshold bin can hold several hundred candidates where a normal row's holds about 130.
+With ``--base`` (an older ``topk.cu``, e.g. ``git show REV:cpsparse/raw_kernels/topk.cu``)
+the same rows run on that source too, rounds alternating (base, this tree, then this
+tree, base), and each row prints base / this tree. Results: stdout and
+``$OUT/profile_topk_logits.json`` when set.
 """
 
 import json
 import os
+import pathlib
 import sys
 
 from benchmarks import harness
@@ -106,7 +118,119 @@ def summarize(stamps, mhz):
     return out
 
 
+# ---- logits: the decode top-k on the scoring kernel's logits --------------------------
+LOGIT_SHAPES = ((64, 32768), (1, 32768), (4, 131072), (256, 4096), (64, 131072))
+LOGIT_KINDS = ("scoring", "normal", "student_t3")
+
+
+def base_source(path):
+    """The top-k module's source with ``topk.cu`` replaced by the file at ``path``."""
+    from cpsparse import raw_kernels
+    own = raw_kernels.module_source("topk")
+    cu = (pathlib.Path(raw_kernels.__file__).parent / "topk.cu").read_text()
+    if cu not in own:
+        raise ValueError("topk.cu is not verbatim in the top-k module's source")
+    return own.replace(cu, pathlib.Path(path).read_text())
+
+
+def parse_logits_args(args):
+    """(base path or None, rounds) of the logits mode's arguments."""
+    base, rounds = None, 2
+    for a in args:
+        if a.startswith("--base="):
+            base = a.split("=", 1)[1]
+        elif a.startswith("--rounds="):
+            rounds = int(a.split("=", 1)[1])
+        else:
+            raise SystemExit(f"unknown argument {a!r}: python3 -m benchmarks.profile_topk "
+                             "logits [--base=PATH] [--rounds=N]")
+    if rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {rounds}")
+    return base, rounds
+
+
+def _logit_sets(cp, kind, scoring, rng):
+    """Three input sets (context lengths, logits) of one kind, shaped as ``scoring``'s."""
+    if kind == "scoring":
+        return scoring
+    if kind == "normal":
+        return [(lens, cp.random.standard_normal(x.shape, dtype=cp.float32))
+                for lens, x in scoring]
+    return [(lens, cp.asarray(rng.standard_t(3, x.shape).astype("float32")))
+            for lens, x in scoring]
+
+
+def logits(args):
+    """The logits mode (see the module docstring): {row name: times} over LOGIT_SHAPES."""
+    import numpy as np
+
+    from benchmarks import profile_indexer
+    from cpsparse import timing
+    from cpsparse.raw_kernels import indexer as kindexer
+    from cpsparse.raw_kernels import topk as ktopk
+
+    base_path, rounds = parse_logits_args(args)
+    cp = harness.cupy()
+    from cpsparse import raw_kernels
+    sources = {"new": raw_kernels.module_source("topk")}
+    if base_path:
+        sources["base"] = base_source(base_path)
+    k, rng, rows = 2048, np.random.default_rng(7), {}
+    for batch, ctx in LOGIT_SHAPES:
+        cache, _, table, queries = profile_indexer._decode_case(cp, batch, ctx)
+        scoring = []
+        for _ in range(3):
+            lens, q8, w, out = queries(1)
+            kindexer.paged_mqa_logits(cp, q8, cache, w, lens, table, ctx, out=out,
+                                      clean_logits=False)
+            scoring.append((lens, out))
+        del cache
+        idx = cp.empty((batch, k), cp.int32)
+        for kind in LOGIT_KINDS:
+            sets = _logit_sets(cp, kind, scoring, rng)
+            row = {"exact": True}
+            for r in range(rounds):
+                order = list(sources) if r % 2 == 0 else list(sources)[::-1]
+                for side in order:
+                    with harness.module_source_override("topk", sources[side],
+                                                        ktopk._LAUNCHES):
+                        def call(lens, x):
+                            return ktopk.topk_per_row_decode(cp, x, lens, 1, k, idx)
+                        t = timing.time_graph(call, sets, reps=10, warmup=3, iters=25)
+                        row.setdefault(side + "_us", []).append(t["median_ms"] * 1e3)
+                        if r == 0:
+                            for lens, x in sets:
+                                call(lens, x)
+                                got = cp.sort(cp.take_along_axis(x, idx.astype(cp.int64),
+                                                                 axis=1), axis=1)
+                                pos = cp.sort(idx, axis=1)
+                                row["exact"] &= bool((got == cp.sort(x, axis=1)[:, -k:]).all()
+                                                     and (pos[:, 1:] != pos[:, :-1]).all())
+            name = f"topk_decode_{batch}x{ctx}_{kind}"
+            rows[name] = row
+            line = f"{name}: {min(row['new_us']):.2f} us"
+            if "base_us" in row:
+                row["base_over_new"] = min(row["base_us"]) / min(row["new_us"])
+                line += (f" (base {min(row['base_us']):.2f} us, base / this tree "
+                         f"{row['base_over_new']:.3f})")
+            print(line + ("" if row["exact"] else "  WRONG SELECTION"), flush=True)
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "profile_topk_logits.json"), "w") as f:
+            json.dump({"device": harness.device_info(), "base": base_path, "rows": rows}, f,
+                      indent=2)
+    if not all(r["exact"] for r in rows.values()):
+        raise SystemExit("a selection was wrong (see the rows marked WRONG SELECTION)")
+    return rows
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["logits"]:
+        return logits(argv[1:])
+    if argv:
+        raise SystemExit(f"unknown arguments {argv}: python3 -m benchmarks.profile_topk "
+                         "[logits [--base=PATH] [--rounds=N]]")
     cp = harness.cupy()
     import cpsparse
     from benchmarks.bench_peers import K, _topk_logits

@@ -98,6 +98,14 @@ def adversarial(rng, kind, n, k):
     if kind == "signed_zeros":
         vals = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-40, -3e-39, -1.0], np.float32)
         return rng.choice(vals, n)
+    if kind == "crowded_bin":                # ~300 values (100 distinct) at the k-th
+        # largest: the threshold bin holds 300-450 candidates, as on the scoring
+        # kernel's logits, and ranks them by buckets (tk_bucket_rank), ties inside
+        x = rng.standard_normal(n).astype(np.float32)
+        kth = np.partition(x, n - k)[n - k]
+        pos = rng.choice(n, min(n // 4, 300), replace=False)
+        x[pos] = kth + rng.integers(-50, 50, pos.size).astype(np.float32) * np.float32(1e-5)
+        return x
     if kind == "narrow":                     # everything in one fp16 bin
         return (np.float32(1.0) + rng.random(n).astype(np.float32) * np.float32(1e-3))
     # The coarse key adapts to statistics of a row's first values (topk.cu, tk_adapt):
@@ -129,8 +137,8 @@ def adversarial(rng, kind, n, k):
 
 
 KINDS = ["normal", "equal", "ties", "duplicates", "neginf_tail", "nan", "mostly_nan", "huge",
-         "ascending", "descending", "low_mantissa", "signed_zeros", "narrow", "shift100",
-         "scale1e-8", "low10bits", "subnormal", "probe_outliers", "probe_narrow",
+         "ascending", "descending", "low_mantissa", "signed_zeros", "crowded_bin", "narrow",
+         "shift100", "scale1e-8", "low10bits", "subnormal", "probe_outliers", "probe_narrow",
          "probe_nonfinite"]
 
 

@@ -70,3 +70,24 @@ def test_summary_span_from_the_global_timer():
     assert got["span_us"] == pytest.approx(40.0)
     assert got["last_start_us"] == pytest.approx(2.0)
     assert got["ctas"] == 2
+
+
+def test_logits_mode_arguments():
+    assert P.parse_logits_args([]) == (None, 2)
+    assert P.parse_logits_args(["--base=old.cu", "--rounds=3"]) == ("old.cu", 3)
+    with pytest.raises(SystemExit, match="unknown argument"):
+        P.parse_logits_args(["--bogus"])
+    with pytest.raises(SystemExit, match="at least 1"):
+        P.parse_logits_args(["--rounds=0"])
+    with pytest.raises(SystemExit, match="unknown arguments"):
+        P.main(["--rounds=2"])                       # only the logits mode takes arguments
+
+
+def test_base_source_swaps_only_topk_cu(tmp_path):
+    own = raw_kernels.module_source("topk")
+    old = tmp_path / "topk.cu"
+    old.write_text("// an older topk.cu\n")
+    got = P.base_source(old)
+    assert "// an older topk.cu\n" in got and got != own
+    assert "tk_bucket_rank" in own and "tk_bucket_rank" not in got
+    assert got.startswith(own[:200])                 # the headers before it stay

@@ -25,9 +25,12 @@
 //       tens to a few hundred), they are gathered into one shared list as packed
 //       (key << 32 | ~position), each CTA of a cluster writing its range of it
 //       locally and then copying the other ranges through distributed shared
-//       memory, and each one's rank among them is counted
-//       (one warp a candidate); rank < still-needed -> output slot
-//       emitted + rank. Exact, ties to the lower position, no atomics.
+//       memory, and each one's rank among them is found; rank < still-needed ->
+//       output slot emitted + rank. Exact, ties to the lower position. At most
+//       TK_RANK_SCAN_MAX of them, or in clusters of 4 CTAs or more, a warp counts
+//       each candidate's rank over the whole list; more (a row of the scoring
+//       kernel's logits reaches 400) are counting-sorted into buckets first, so
+//       that each is compared only with its own bucket (tk_bucket_rank).
 //   Fallback (many candidates: heavy ties, narrow data): radix rounds on the
 //       full 32-bit key, 11 bits a round from the highest bit in which the
 //       candidates' keys differ (their range is found after the filter pass,
