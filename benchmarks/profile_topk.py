@@ -172,9 +172,10 @@ def logits(args):
     base_path, rounds = parse_logits_args(args)
     cp = harness.cupy()
     from cpsparse import raw_kernels
-    sources = {"new": raw_kernels.module_source("topk")}
+    sources = {}                      # even rounds run the base first, odd ones last
     if base_path:
         sources["base"] = base_source(base_path)
+    sources["new"] = raw_kernels.module_source("topk")
     k, rng, rows = 2048, np.random.default_rng(7), {}
     for batch, ctx in LOGIT_SHAPES:
         cache, _, table, queries = profile_indexer._decode_case(cp, batch, ctx)
@@ -203,9 +204,11 @@ def logits(args):
                                 call(lens, x)
                                 got = cp.sort(cp.take_along_axis(x, idx.astype(cp.int64),
                                                                  axis=1), axis=1)
-                                pos = cp.sort(idx, axis=1)
-                                row["exact"] &= bool((got == cp.sort(x, axis=1)[:, -k:]).all()
-                                                     and (pos[:, 1:] != pos[:, :-1]).all())
+                                pos = cp.sort(idx, axis=1)     # in [0, ctx), distinct
+                                row["exact"] &= bool((pos[:, 0] >= 0).all()
+                                                     and (pos[:, -1] < ctx).all()
+                                                     and (pos[:, 1:] != pos[:, :-1]).all()
+                                                     and (got == cp.sort(x, axis=1)[:, -k:]).all())
             name = f"topk_decode_{batch}x{ctx}_{kind}"
             rows[name] = row
             line = f"{name}: {min(row['new_us']):.2f} us"
