@@ -4,7 +4,8 @@
 # under $OUT (default ./gpu_out). Usage:
 #   bash tools/gpu_check.sh [all|tests|bounds|profile|layer|bench|peers|ncu|ab|landing|dgbits]... [-- arguments...]
 # "profile" is the host-time profile, the layer forward by stage ("layer" alone runs only
-# that), the attention kernel's ablations and trace, and the top-k kernel's phase trace.
+# that), the attention kernel's ablations and trace, the top-k kernel's phase trace and its
+# times on the scoring kernel's logits (profile_topk logits).
 # "ncu" (only when named: not part of "all") runs Nsight Compute on the
 # warp-specialized decode scoring kernels (benchmarks/profile_indexer.py):
 # the section summary, then the stall samples instruction by instruction (ncu_source.*).
@@ -93,6 +94,10 @@ if want profile; then
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     # The top-k kernel's phases (clock64 stamps a CTA), normal and low-contrast rows.
     timeout 200 python3 -m benchmarks.profile_topk 2>&1 | tee "$OUT/profile_topk.log" | tail -8
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    # The decode top-k on the paged scoring kernel's own logits (and normal, student-t rows).
+    timeout 200 python3 -m benchmarks.profile_topk logits 2>&1 \
+        | tee "$OUT/profile_topk_logits.log" | tail -16
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if named ncu; then
