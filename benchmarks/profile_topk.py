@@ -135,15 +135,15 @@ def base_source(path):
 
 def parse_logits_args(args):
     """(base path or None, rounds) of the logits mode's arguments."""
-    base, rounds = None, 2
-    for a in args:
-        if a.startswith("--base="):
-            base = a.split("=", 1)[1]
-        elif a.startswith("--rounds="):
-            rounds = int(a.split("=", 1)[1])
-        else:
+    from benchmarks.profile_indexer import _rounds
+    given, rest = _rounds(args)
+    rounds = given[0] if given else 2
+    base = None
+    for a in rest:
+        if not a.startswith("--base="):
             raise SystemExit(f"unknown argument {a!r}: python3 -m benchmarks.profile_topk "
                              "logits [--base=PATH] [--rounds=N]")
+        base = a.split("=", 1)[1]
     if rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, got {rounds}")
     return base, rounds
@@ -165,6 +165,7 @@ def logits(args):
     import numpy as np
 
     from benchmarks import profile_indexer
+    from benchmarks.bench_peers import _topk_check
     from cpsparse import timing
     from cpsparse.raw_kernels import indexer as kindexer
     from cpsparse.raw_kernels import topk as ktopk
@@ -199,16 +200,11 @@ def logits(args):
                             return ktopk.topk_per_row_decode(cp, x, lens, 1, k, idx)
                         t = timing.time_graph(call, sets, reps=10, warmup=3, iters=25)
                         row.setdefault(side + "_us", []).append(t["median_ms"] * 1e3)
-                        if r == 0:
+                        if r == 0:             # bench_peers' check, against the k largest
                             for lens, x in sets:
                                 call(lens, x)
-                                got = cp.sort(cp.take_along_axis(x, idx.astype(cp.int64),
-                                                                 axis=1), axis=1)
-                                pos = cp.sort(idx, axis=1)     # in [0, ctx), distinct
-                                row["exact"] &= bool((pos[:, 0] >= 0).all()
-                                                     and (pos[:, -1] < ctx).all()
-                                                     and (pos[:, 1:] != pos[:, :-1]).all()
-                                                     and (got == cp.sort(x, axis=1)[:, -k:]).all())
+                                row["exact"] &= _topk_check(cp, x, lens.reshape(-1), idx,
+                                                            cp.sort(x, axis=1)[:, -k:])[1]["ok"]
             name = f"topk_decode_{batch}x{ctx}_{kind}"
             rows[name] = row
             line = f"{name}: {min(row['new_us']):.2f} us"

@@ -16,17 +16,10 @@ import zlib
 import numpy as np
 import pytest
 
+from cpsparse.reference.indexer import order_keys
 from tests.test_gpu_topk import KINDS, VARIANTS, _row_n, adversarial
 
 BINS, RANK_MAX, SCAN_MAX = 2048, 512, 32
-
-
-def order_keys(x):
-    u = x.view(np.uint32).astype(np.uint64)
-    a = u & 0x7FFFFFFF
-    u = np.where(a == 0, 0, u)
-    keys = np.where(u & 0x80000000, ~u & 0xFFFFFFFF, u | 0x80000000)
-    return np.where(a > 0x7F800000, 0, keys).astype(np.uint64)
 
 
 def transform(x, threads):
@@ -72,7 +65,7 @@ def finish(x, k, threads):
         return None
     if eq <= RANK_MAX:
         return "r0", eq
-    keys = order_keys(x)[cb == b0]
+    keys = order_keys(x)[cb == b0].astype(np.uint64)
     level = (int(keys.min()) ^ int(keys.max())).bit_length()
     while True:
         shift = max(0, level - 11)
