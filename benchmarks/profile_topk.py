@@ -9,8 +9,12 @@ never written to disk; the traced kernel's output is right) taken by thread 0 of
 CTA at the phase boundaries of ``tk_body``: start, the coarse histogram pass (R0)
 begins, R0 ends, R0's threshold is chosen, the filter pass ends, the fallback radix
 rounds begin (only where they run), the row is done; and the global timer at start and
-done (the kernel's span over all CTAs, and how late the last one starts). For the
-``topk_*`` shapes of DESIGN section 12 (normal and low-contrast inputs) it prints, over
+done (the kernel's span over all CTAs, and how late the last one starts). Finer stamps
+split the time before R0 (the row's window known, the warps' statistics stored, the
+transform chosen) and R0's threshold (its suffix sums, the cluster barrier,
+``tk_find_cluster``). ``r256`` (rows in shared memory, ``tk_srow_body``) carries no stamps:
+its shape prints the graph time only. For the ``topk_*`` shapes of DESIGN section 12
+(normal and low-contrast inputs) and B=1 x 32K (8-CTA clusters) it prints, over
 the CTAs that took the long-row path, the median, p90 and maximum of each phase in
 microseconds at the SM clock, with the untraced kernel's graph-replay time beside them.
 A maximum far above the p90 is one slow CTA (a cluster's fallback that rescans its
@@ -28,6 +32,13 @@ With ``--base`` (an older ``topk.cu``, e.g. ``git show REV:cpsparse/raw_kernels/
 the same rows run on that source too, rounds alternating (base, this tree, then this
 tree, base), and each row prints base / this tree. Results: stdout and
 ``$OUT/profile_topk_logits.json`` when set.
+
+``python3 -m benchmarks.profile_topk widths [--base=PATH] [--rounds=N]`` times ``r256``
+(one CTA a row, the row in shared memory) on 4096 standard normal rows at the widths of
+WIDTHS, on both sides of the steps where one more or one fewer CTA fits an SM, with the
+driver's count of CTAs an SM and the shared-memory arithmetic beside each side (the
+static shared memory of the kernel and the row buffer). ``--base`` and the rounds as in
+the logits mode. Results: stdout and ``$OUT/profile_topk_widths.json`` when set.
 """
 
 import json
@@ -38,15 +49,30 @@ import sys
 from benchmarks import harness
 
 TRACE_CTAS = 16384
-EVENTS = ("start", "r0_begin", "r0_end", "r0_select", "filter_end", "fallback", "done")
+# The stamps' order in tk_trace's rows. The last four split adapt and r0_select: the row's
+# window known (after its barrier), the warps' statistics stored (after theirs), R0's
+# suffix sums done and, in a cluster, the cluster barrier passed before tk_find_cluster.
+EVENTS = ("start", "r0_begin", "r0_end", "r0_select", "filter_end", "fallback", "done",
+          "window", "stats", "r0_suffix", "r0_cluster")
 # and the global timer (ns, comparable across SMs) at start and done: the kernel's span
 GLOBAL_EVENTS = ("gstart", "gdone")
 PHASES = (("adapt", "start", "r0_begin"), ("r0_histogram", "r0_begin", "r0_end"),
           ("r0_select", "r0_end", "r0_select"), ("filter", "r0_select", "filter_end"),
-          ("finish", "filter_end", "done"), ("total", "start", "done"))
+          ("finish", "filter_end", "done"), ("total", "start", "done"),
+          # adapt, split: the window's load and barrier, the statistics and R0's cleared
+          # histogram, the transform (tk_adapt_warps) and R0's first tile's wait
+          ("window", "start", "window"), ("stats", "window", "stats"),
+          ("transform", "stats", "r0_begin"),
+          # r0_select, split: the suffix sums, the cluster barrier, tk_find_cluster and
+          # the closing barrier (C == 1: the suffix, then tk_decide_local)
+          ("suffix", "r0_end", "r0_suffix"), ("cluster_sync", "r0_suffix", "r0_cluster"),
+          ("find_cluster", "r0_cluster", "r0_select"), ("decide", "r0_suffix", "r0_select"))
+# Phases stamped inside select, which every round calls: read only on rows that ran no
+# fallback round (a round's stamps would overwrite R0's).
+R0_ONLY = ("r0_suffix", "r0_cluster")
 SHAPES = [("prefill", 8192, 8192, ""), ("decode", 64, 32768, ""), ("decode", 64, 131072, ""),
           ("decode", 64, 131072, "_low10bits"), ("decode", 4, 131072, ""),
-          ("decode", 1, 131072, "")]
+          ("decode", 1, 131072, ""), ("decode", 1, 32768, "")]
 
 _STAMP = "tk_trace_at"
 _DONE = EVENTS.index("done")
@@ -88,6 +114,20 @@ TRACE = [
     ("    if (C > 1) tk_cluster_sync<C>();            // no CTA leaves",
      f"    {_STAMP}({_DONE});\n"
      "    if (C > 1) tk_cluster_sync<C>();            // no CTA leaves"),
+    ("        s.shift = bs_shift;\n    }\n    __syncthreads();\n",
+     "        s.shift = bs_shift;\n    }\n    __syncthreads();\n"
+     f"    {_STAMP}({EVENTS.index('window')});\n"),
+    ("    __syncthreads();\n    {   // every warp alike (no second barrier)",
+     "    __syncthreads();\n"
+     f"    {_STAMP}({EVENTS.index('stats')});\n"
+     "    {   // every warp alike (no second barrier)"),
+    ("        const u32 excl = tk_round_suffix<THREADS>(s, h, loc, tid, lane, warp);\n",
+     "        const u32 excl = tk_round_suffix<THREADS>(s, h, loc, tid, lane, warp);\n"
+     f"        if (hb == 0 && need == (u32)k) {_STAMP}({EVENTS.index('r0_suffix')});\n"),
+    ("            tk_cluster_sync<C>();\n            if (warp == 0) tk_find_cluster",
+     "            tk_cluster_sync<C>();\n"
+     f"            if (hb == 0 && need == (u32)k) {_STAMP}({EVENTS.index('r0_cluster')});\n"
+     "            if (warp == 0) tk_find_cluster"),
 ]
 
 
@@ -111,8 +151,11 @@ def summarize(stamps, mhz):
         out["span_us"] = float((g1[ran].max() - g0[ran].min()) / 1e3) if ran.any() else None
         out["last_start_us"] = float((g0[ran].max() - g0[ran].min()) / 1e3) if ran.any() \
             else None
+    no_fallback = long_path & (s[:, ix["fallback"]] == 0)
     for name, a, b in PHASES:
-        d = (s[long_path, ix[b]] - s[long_path, ix[a]]) / mhz
+        rows = (no_fallback if a in R0_ONLY or b in R0_ONLY else long_path) \
+            & (s[:, ix[a]] > 0) & (s[:, ix[b]] > 0)
+        d = (s[rows, ix[b]] - s[rows, ix[a]]) / mhz
         out[name] = ({"median_us": float(np.median(d)), "p90_us": float(np.percentile(d, 90)),
                       "max_us": float(d.max())} if d.size else None)
     return out
@@ -133,16 +176,18 @@ def base_source(path):
     return own.replace(cu, pathlib.Path(path).read_text())
 
 
-def parse_logits_args(args):
-    """(base path or None, rounds) of the logits mode's arguments."""
+USAGE = ("python3 -m benchmarks.profile_topk [logits|widths] [--base=PATH] [--rounds=N]")
+
+
+def parse_mode_args(args):
+    """(base path or None, rounds) of the logits and widths modes' arguments."""
     from benchmarks.profile_indexer import _rounds
     given, rest = _rounds(args)
     rounds = given[0] if given else 2
     base = None
     for a in rest:
         if not a.startswith("--base="):
-            raise SystemExit(f"unknown argument {a!r}: python3 -m benchmarks.profile_topk "
-                             "logits [--base=PATH] [--rounds=N]")
+            raise SystemExit(f"unknown argument {a!r}: {USAGE}")
         base = a.split("=", 1)[1]
     if rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, got {rounds}")
@@ -160,23 +205,79 @@ def _logit_sets(cp, kind, scoring, rng):
             for lens, x in scoring]
 
 
+def _sources(base_path):
+    """{side: the top-k module's source}: "base" (``base_path``'s topk.cu) first when
+    given, then "new" (this tree)."""
+    from cpsparse import raw_kernels
+    sources = {}
+    if base_path:
+        sources["base"] = base_source(base_path)
+    sources["new"] = raw_kernels.module_source("topk")
+    return sources
+
+
+def _time_sides(cp, sources, sets, k, rounds, on_side=None):
+    """One row: the decode top-k (the default plan, graph replays) over ``sets``
+    ((context lengths, logits) pairs), on each side's source; even rounds run the first
+    side first, odd ones last. In round 0 every selection is checked against the k
+    largest values (bench_peers' check) and ``on_side(side, row)`` runs, if given,
+    with that side's kernels in force."""
+    from benchmarks.bench_peers import _topk_check
+    from cpsparse import timing
+    from cpsparse.raw_kernels import topk as ktopk
+
+    idx = cp.empty((sets[0][1].shape[0], k), cp.int32)
+    row = {"exact": True}
+    for r in range(rounds):
+        order = list(sources) if r % 2 == 0 else list(sources)[::-1]
+        for side in order:
+            with harness.module_source_override("topk", sources[side], ktopk._LAUNCHES):
+                def call(lens, x):
+                    return ktopk.topk_per_row_decode(cp, x, lens, 1, k, idx)
+                t = timing.time_graph(call, sets, reps=10, warmup=3, iters=25)
+                row.setdefault(side + "_us", []).append(t["median_ms"] * 1e3)
+                if r == 0:
+                    for lens, x in sets:
+                        call(lens, x)
+                        row["exact"] &= _topk_check(cp, x, lens.reshape(-1), idx,
+                                                    cp.sort(x, axis=1)[:, -k:])[1]["ok"]
+                    if on_side is not None:
+                        on_side(side, row)
+    return row
+
+
+def _finish(rows, name, row, extra=""):
+    """Print ``row`` (best round of each side, base / this tree) and keep it."""
+    rows[name] = row
+    line = f"{name}: {min(row['new_us']):.2f} us"
+    if "base_us" in row:
+        row["base_over_new"] = min(row["base_us"]) / min(row["new_us"])
+        line += (f" (base {min(row['base_us']):.2f} us, base / this tree "
+                 f"{row['base_over_new']:.3f})")
+    print(line + extra + ("" if row["exact"] else "  WRONG SELECTION"), flush=True)
+
+
+def _save(rows, base_path, filename):
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, filename), "w") as f:
+            json.dump({"device": harness.device_info(), "base": base_path, "rows": rows}, f,
+                      indent=2)
+    if not all(r["exact"] for r in rows.values()):
+        raise SystemExit("a selection was wrong (see the rows marked WRONG SELECTION)")
+    return rows
+
+
 def logits(args):
     """The logits mode (see the module docstring): {row name: times} over LOGIT_SHAPES."""
     import numpy as np
 
     from benchmarks import profile_indexer
-    from benchmarks.bench_peers import _topk_check
-    from cpsparse import timing
     from cpsparse.raw_kernels import indexer as kindexer
-    from cpsparse.raw_kernels import topk as ktopk
 
-    base_path, rounds = parse_logits_args(args)
+    base_path, rounds = parse_mode_args(args)
     cp = harness.cupy()
-    from cpsparse import raw_kernels
-    sources = {}                      # even rounds run the base first, odd ones last
-    if base_path:
-        sources["base"] = base_source(base_path)
-    sources["new"] = raw_kernels.module_source("topk")
+    sources = _sources(base_path)
     k, rng, rows = 2048, np.random.default_rng(7), {}
     for batch, ctx in LOGIT_SHAPES:
         cache, _, table, queries = profile_indexer._decode_case(cp, batch, ctx)
@@ -187,49 +288,73 @@ def logits(args):
                                       clean_logits=False)
             scoring.append((lens, out))
         del cache
-        idx = cp.empty((batch, k), cp.int32)
         for kind in LOGIT_KINDS:
-            sets = _logit_sets(cp, kind, scoring, rng)
-            row = {"exact": True}
-            for r in range(rounds):
-                order = list(sources) if r % 2 == 0 else list(sources)[::-1]
-                for side in order:
-                    with harness.module_source_override("topk", sources[side],
-                                                        ktopk._LAUNCHES):
-                        def call(lens, x):
-                            return ktopk.topk_per_row_decode(cp, x, lens, 1, k, idx)
-                        t = timing.time_graph(call, sets, reps=10, warmup=3, iters=25)
-                        row.setdefault(side + "_us", []).append(t["median_ms"] * 1e3)
-                        if r == 0:             # bench_peers' check, against the k largest
-                            for lens, x in sets:
-                                call(lens, x)
-                                row["exact"] &= _topk_check(cp, x, lens.reshape(-1), idx,
-                                                            cp.sort(x, axis=1)[:, -k:])[1]["ok"]
-            name = f"topk_decode_{batch}x{ctx}_{kind}"
-            rows[name] = row
-            line = f"{name}: {min(row['new_us']):.2f} us"
-            if "base_us" in row:
-                row["base_over_new"] = min(row["base_us"]) / min(row["new_us"])
-                line += (f" (base {min(row['base_us']):.2f} us, base / this tree "
-                         f"{row['base_over_new']:.3f})")
-            print(line + ("" if row["exact"] else "  WRONG SELECTION"), flush=True)
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        with open(os.path.join(out_dir, "profile_topk_logits.json"), "w") as f:
-            json.dump({"device": harness.device_info(), "base": base_path, "rows": rows}, f,
-                      indent=2)
-    if not all(r["exact"] for r in rows.values()):
-        raise SystemExit("a selection was wrong (see the rows marked WRONG SELECTION)")
-    return rows
+            row = _time_sides(cp, sources, _logit_sets(cp, kind, scoring, rng), k, rounds)
+            _finish(rows, f"topk_decode_{batch}x{ctx}_{kind}", row)
+    return _save(rows, base_path, "profile_topk_logits.json")
+
+
+# ---- widths: r256's CTAs an SM at widths around its occupancy steps ---------------------
+# r256 runs one CTA a row with the row in shared memory, at most five CTAs an SM (its
+# registers); the row buffer and its static shared memory set how many fit below that.
+# These widths sit on both sides of the steps that 2,112 bytes less static shared memory
+# moves (the rank finish's counts moved into the row buffer, tried in the forty-fifth
+# session, docs/performance.md): 8192 and 11600 keep their CTAs an SM either way.
+WIDTHS = (8192, 8800, 9100, 11600, 12100)
+WIDTH_ROWS = 4096
+
+
+def ctas_per_sm(static_bytes, dynamic_bytes, smem_per_sm=233472, reserved=1024, most=5):
+    """CTAs an SM by shared memory (an H100's 228 KB an SM, 1 KB reserved a CTA), at most
+    ``most`` (r256's register bound): the arithmetic the widths mode checks against the
+    driver's count."""
+    return min(most, smem_per_sm // (static_bytes + dynamic_bytes + reserved))
+
+
+def widths(args):
+    """The widths mode (see the module docstring): {row name: times and CTAs an SM}."""
+    from cpsparse.raw_kernels import topk as ktopk
+
+    base_path, rounds = parse_mode_args(args)
+    cp = harness.cupy()
+    sources = _sources(base_path)
+    k, rows = 2048, {}
+
+    def occupancy(side, row):        # the driver's count, with this side's kernel
+        from cupy.cuda import driver
+        fn, _, threads, smem = ktopk._plan(WIDTH_ROWS, width, None, None)
+        static = int(fn.raw.attributes["shared_size_bytes"])
+        try:
+            row[side + "_ctas_per_sm"] = driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                fn.raw.kernel.ptr, threads, smem)
+        except Exception:  # noqa: BLE001 - a diagnostic: the arithmetic stands beside it
+            row[side + "_ctas_per_sm"] = None
+        row[side + "_ctas_by_arithmetic"] = ctas_per_sm(static, smem)
+        row[side + "_static_smem"] = static
+        row["variant"] = fn.name
+
+    for width in WIDTHS:
+        lens = cp.full(WIDTH_ROWS, width, cp.int32)
+        sets = [(lens, cp.random.standard_normal((WIDTH_ROWS, width), dtype=cp.float32))
+                for _ in range(3)]
+        row = _time_sides(cp, sources, sets, k, rounds, occupancy)
+        row["width"] = width
+        ctas = "  CTAs an SM (driver / arithmetic): " + ", ".join(
+            f"{side} {row[side + '_ctas_per_sm']} / {row[side + '_ctas_by_arithmetic']}"
+            for side in sources)
+        _finish(rows, f"topk_r256_{WIDTH_ROWS}x{width}", row, ctas)
+        del sets
+    return _save(rows, base_path, "profile_topk_widths.json")
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["logits"]:
         return logits(argv[1:])
+    if argv[:1] == ["widths"]:
+        return widths(argv[1:])
     if argv:
-        raise SystemExit(f"unknown arguments {argv}: python3 -m benchmarks.profile_topk "
-                         "[logits [--base=PATH] [--rounds=N]]")
+        raise SystemExit(f"unknown arguments {argv}: {USAGE}")
     cp = harness.cupy()
     import cpsparse
     from benchmarks.bench_peers import K, _topk_logits
@@ -268,6 +393,10 @@ def main(argv=None):
             summary = summarize(stamps.get(), mhz)
         summary["graph_us"] = g["median_ms"] * 1e3
         results[name] = summary
+        if summary["ctas"] == 0:      # r256 (rows in shared memory) carries no stamps
+            print(f"{name}: graph {summary['graph_us']:.1f} us, no traced CTAs "
+                  "(its variant has no stamps)", flush=True)
+            continue
         phases = "  ".join(f"{p} {summary[p]['median_us']:.1f}/{summary[p]['p90_us']:.1f}"
                            f"/{summary[p]['max_us']:.1f}"
                            for p, _, _ in PHASES if summary[p] is not None)

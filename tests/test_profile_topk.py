@@ -15,6 +15,9 @@ def test_every_stamp_lands_once():
         assert f"{P._STAMP}({event});" in src, P.EVENTS[event]
     # done is stamped on each of the three ways out of the long-row path
     assert src.count(f"{P._STAMP}(6);") == 3
+    # the last events go in after the six first ones: their columns follow them
+    assert P.EVENTS[:7] == ("start", "r0_begin", "r0_end", "r0_select", "filter_end",
+                            "fallback", "done")
 
 
 def test_a_stale_anchor_is_an_error(monkeypatch):
@@ -27,8 +30,8 @@ def test_summary_reads_each_phase_over_long_rows_only():
     """3 CTAs at 1000 MHz (1 cycle = 1 ns): two long rows (one through the fallback),
     one short row (only its start stamped: left out)."""
     s = np.zeros((5, len(P.EVENTS)), np.int64)
-    s[0] = [100, 1100, 5100, 5600, 8600, 0, 9600]            # us: 1, 4, .5, 3, 1
-    s[1] = [200, 1200, 7200, 7700, 10700, 10800, 13700]      # 1, 6, .5, 3, 3 (fallback)
+    s[0, :7] = [100, 1100, 5100, 5600, 8600, 0, 9600]        # us: 1, 4, .5, 3, 1
+    s[1, :7] = [200, 1200, 7200, 7700, 10700, 10800, 13700]  # 1, 6, .5, 3, 3 (fallback)
     s[2, 0] = 300
     got = P.summarize(s, 1000.0)
     assert got["ctas"] == 2 and got["fallback_ctas"] == 1
@@ -39,6 +42,32 @@ def test_summary_reads_each_phase_over_long_rows_only():
     assert got["finish"]["median_us"] == pytest.approx(2.0)
     assert got["total"]["median_us"] == pytest.approx(11.5)           # 9.5 and 13.5
     assert got["total"]["p90_us"] == pytest.approx(9.5 + 0.9 * 4)
+
+
+def test_summary_splits_adapt_and_r0_select():
+    """The finer stamps split adapt (window, stats, transform) and r0_select (suffix,
+    cluster barrier, tk_find_cluster); the ones stamped inside select are read only on
+    rows without a fallback round, and a phase whose stamp a variant never reaches (the
+    cluster barrier with one CTA a row) reads None."""
+    ix = {e: i for i, e in enumerate(P.EVENTS)}
+    s = np.zeros((3, len(P.EVENTS)), np.int64)
+    for r, fallback in ((0, 0), (1, 9000)):
+        s[r, :7] = [100, 1100, 5100, 5600, 8600, fallback, 9600]
+        s[r, ix["window"]], s[r, ix["stats"]] = 400, 900            # .3, .5, .2
+        s[r, ix["r0_suffix"]], s[r, ix["r0_cluster"]] = 5200, 5400  # .1, .2, .2
+    s[1, ix["r0_suffix"]] = 9100                  # overwritten by a fallback round
+    got = P.summarize(s, 1000.0)
+    assert got["window"]["median_us"] == pytest.approx(0.3)
+    assert got["stats"]["median_us"] == pytest.approx(0.5)
+    assert got["transform"]["median_us"] == pytest.approx(0.2)
+    assert got["suffix"]["max_us"] == pytest.approx(0.1)           # row 1 left out
+    assert got["cluster_sync"]["median_us"] == pytest.approx(0.2)
+    assert got["find_cluster"]["median_us"] == pytest.approx(0.2)
+    assert got["decide"]["median_us"] == pytest.approx(0.4)
+    s[:, ix["r0_cluster"]] = 0                    # one CTA a row: no cluster barrier
+    got = P.summarize(s, 1000.0)
+    assert got["cluster_sync"] is None and got["find_cluster"] is None
+    assert got["decide"]["median_us"] == pytest.approx(0.4)
 
 
 def test_traced_source_compiles(monkeypatch):
@@ -61,9 +90,9 @@ def test_summary_span_from_the_global_timer():
     every CTA that started (short rows too: they end before 'done' is stamped)."""
     e = len(P.EVENTS)
     s = np.zeros((3, e + len(P.GLOBAL_EVENTS)), np.int64)
-    s[0, :e] = [100, 1100, 5100, 5600, 8600, 0, 9600]
+    s[0, :7] = [100, 1100, 5100, 5600, 8600, 0, 9600]
     s[0, e:] = [50_000, 60_000]                   # ns
-    s[1, :e] = [100, 1100, 5100, 5600, 8600, 0, 9600]
+    s[1, :7] = [100, 1100, 5100, 5600, 8600, 0, 9600]
     s[1, e:] = [52_000, 90_000]
     s[2, 0], s[2, e] = 300, 51_000                # a short row: started, no 'done'
     got = P.summarize(s, 1000.0)
@@ -73,12 +102,12 @@ def test_summary_span_from_the_global_timer():
 
 
 def test_logits_mode_arguments():
-    assert P.parse_logits_args([]) == (None, 2)
-    assert P.parse_logits_args(["--base=old.cu", "--rounds=3"]) == ("old.cu", 3)
+    assert P.parse_mode_args([]) == (None, 2)
+    assert P.parse_mode_args(["--base=old.cu", "--rounds=3"]) == ("old.cu", 3)
     with pytest.raises(SystemExit, match="unknown argument"):
-        P.parse_logits_args(["--bogus"])
+        P.parse_mode_args(["--bogus"])
     with pytest.raises(SystemExit, match="at least 1"):
-        P.parse_logits_args(["--rounds=0"])
+        P.parse_mode_args(["--rounds=0"])
     with pytest.raises(SystemExit, match="unknown arguments"):
         P.main(["--rounds=2"])                       # only the logits mode takes arguments
 
@@ -91,3 +120,39 @@ def test_base_source_swaps_only_topk_cu(tmp_path):
     assert "// an older topk.cu\n" in got and got != own
     assert "tk_bucket_rank" in own and "tk_bucket_rank" not in got
     assert got.startswith(own[:200])                 # the headers before it stay
+
+
+def test_widths_mode_arguments():
+    with pytest.raises(SystemExit, match="unknown argument"):
+        P.main(["widths", "--bogus"])
+
+
+def test_ctas_per_sm_arithmetic():
+    """228 KB an SM, 1 KB reserved a CTA, at most 5 (r256's registers)."""
+    assert P.ctas_per_sm(0, 0) == 5
+    assert P.ctas_per_sm(9680 - 1024, 233472 // 4 - 9680) == 4
+    assert P.ctas_per_sm(9680 - 1024, 233472 // 4 - 9680 + 1) == 3
+
+
+def test_widths_straddle_r256_occupancy_steps():
+    """The widths mode's rows sit on both sides of the steps that 2,112 bytes less static
+    shared memory in r256 moves (its rank counts moved into the row buffer, the change the
+    mode measured): r256's static shared memory as ptxas reports it, and that less 2,112.
+    Some width must keep its CTAs an SM, and each step must have a width that gains one."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="needs the [nvrtc] extra")
+    import re
+
+    from cpsparse.raw_kernels import topk as ktopk
+    from tests.test_kernel_compile import _build
+    ok, log, _, _ = _build("topk", "sm_90a", None)
+    assert ok, log
+    got = re.search(r"entry function 'cps_topk_r256'.*?(\d+) bytes smem", log, re.S)
+    static = int(got.group(1))
+    gains = {}
+    for width in P.WIDTHS:
+        dyn = ktopk.row_buffer_bytes(width)
+        old, new = P.ctas_per_sm(static, dyn), P.ctas_per_sm(static - 2112, dyn)
+        assert new >= old
+        gains[width] = (old, new)
+    assert any(o == n for o, n in gains.values()), gains
+    assert {(o, n) for o, n in gains.values() if n > o} == {(4, 5), (3, 4)}, gains
