@@ -59,16 +59,20 @@ GLOBAL_EVENTS = ("gstart", "gdone")
 PHASES = (("adapt", "start", "r0_begin"), ("r0_histogram", "r0_begin", "r0_end"),
           ("r0_select", "r0_end", "r0_select"), ("filter", "r0_select", "filter_end"),
           ("finish", "filter_end", "done"), ("total", "start", "done"),
-          # adapt, split: the window's load and barrier, the statistics and R0's cleared
-          # histogram, the transform (tk_adapt_warps) and R0's first tile's wait
+          # adapt, split: the window's load and barrier; the statistics, R0's first
+          # tile's loads issued and its histogram cleared, to a barrier; the transform
+          # (tk_adapt_warps: the first tile's wait falls in r0_histogram)
           ("window", "start", "window"), ("stats", "window", "stats"),
           ("transform", "stats", "r0_begin"),
-          # r0_select, split: the suffix sums, the cluster barrier, tk_find_cluster and
-          # the closing barrier (C == 1: the suffix, then tk_decide_local)
+          # r0_select, split: the suffix sums (from thread 0's end of R0, so waiting for
+          # the other warps' atomics, over two barriers), the cluster barrier (with the
+          # suffix stores, and the wait for the cluster's slowest CTA), tk_find_cluster
+          # and the closing barrier (C == 1: the suffix, then tk_decide_local)
           ("suffix", "r0_end", "r0_suffix"), ("cluster_sync", "r0_suffix", "r0_cluster"),
           ("find_cluster", "r0_cluster", "r0_select"), ("decide", "r0_suffix", "r0_select"))
-# Phases stamped inside select, which every round calls: read only on rows that ran no
-# fallback round (a round's stamps would overwrite R0's).
+# Phases stamped inside select, which every round calls: read only on CTAs without the
+# fallback stamp, those whose row went to the rank from R0 (a fallback round's stamps
+# would overwrite R0's; the stamp also marks rows R0 finished alone, left out too).
 R0_ONLY = ("r0_suffix", "r0_cluster")
 SHAPES = [("prefill", 8192, 8192, ""), ("decode", 64, 32768, ""), ("decode", 64, 131072, ""),
           ("decode", 64, 131072, "_low10bits"), ("decode", 4, 131072, ""),
@@ -304,11 +308,13 @@ WIDTHS = (8192, 8800, 9100, 11600, 12100)
 WIDTH_ROWS = 4096
 
 
-def ctas_per_sm(static_bytes, dynamic_bytes, smem_per_sm=233472, reserved=1024, most=5):
-    """CTAs an SM by shared memory (an H100's 228 KB an SM, 1 KB reserved a CTA), at most
-    ``most`` (r256's register bound): the arithmetic the widths mode checks against the
-    driver's count."""
-    return min(most, smem_per_sm // (static_bytes + dynamic_bytes + reserved))
+def ctas_per_sm(static_bytes, dynamic_bytes, smem_per_sm=233472, reserved=1024, most=5,
+                granule=128):
+    """CTAs an SM by shared memory (an H100's 228 KB an SM, allocated in 128-byte units,
+    1 KB reserved a CTA), at most ``most`` (r256's register bound): the arithmetic the
+    widths mode checks against the driver's count."""
+    used = -(-(static_bytes + dynamic_bytes) // granule) * granule
+    return min(most, smem_per_sm // (used + reserved))
 
 
 def widths(args):
@@ -394,8 +400,8 @@ def main(argv=None):
         summary["graph_us"] = g["median_ms"] * 1e3
         results[name] = summary
         if summary["ctas"] == 0:      # r256 (rows in shared memory) carries no stamps
-            print(f"{name}: graph {summary['graph_us']:.1f} us, no traced CTAs "
-                  "(its variant has no stamps)", flush=True)
+            print(f"{name}: graph {summary['graph_us']:.1f} us, no CTA stamped the "
+                  "long-row path (r256 has no stamps; or every row was short)", flush=True)
             continue
         phases = "  ".join(f"{p} {summary[p]['median_us']:.1f}/{summary[p]['p90_us']:.1f}"
                            f"/{summary[p]['max_us']:.1f}"

@@ -15,9 +15,16 @@ def test_every_stamp_lands_once():
         assert f"{P._STAMP}({event});" in src, P.EVENTS[event]
     # done is stamped on each of the three ways out of the long-row path
     assert src.count(f"{P._STAMP}(6);") == 3
-    # the last events go in after the six first ones: their columns follow them
-    assert P.EVENTS[:7] == ("start", "r0_begin", "r0_end", "r0_select", "filter_end",
-                            "fallback", "done")
+    # the stamps inside select (R0's suffix, its cluster barrier) land in select, after
+    # the suffix sums and between the cluster barrier and tk_find_cluster
+    body = src[src.index("auto select = [&](int hb"):src.index("auto emit_above")]
+    suffix = body.index(f"{P._STAMP}({P.EVENTS.index('r0_suffix')});")
+    cluster = body.index(f"{P._STAMP}({P.EVENTS.index('r0_cluster')});")
+    assert body.index("tk_round_suffix") < suffix < body.index("tk_cluster_sync<C>();") \
+        < cluster < body.index("tk_find_cluster")
+    # and the window's after its barrier, before the short-row exit
+    window = src.index(f"{P._STAMP}({P.EVENTS.index('window')});")
+    assert src.index("s.shift = bs_shift;") < window < src.index("// short row: 0..n-1")
 
 
 def test_a_stale_anchor_is_an_error(monkeypatch):
@@ -47,7 +54,7 @@ def test_summary_reads_each_phase_over_long_rows_only():
 def test_summary_splits_adapt_and_r0_select():
     """The finer stamps split adapt (window, stats, transform) and r0_select (suffix,
     cluster barrier, tk_find_cluster); the ones stamped inside select are read only on
-    rows without a fallback round, and a phase whose stamp a variant never reaches (the
+    CTAs without the fallback stamp, and a phase whose stamp a variant never reaches (the
     cluster barrier with one CTA a row) reads None."""
     ix = {e: i for i, e in enumerate(P.EVENTS)}
     s = np.zeros((3, len(P.EVENTS)), np.int64)
@@ -109,7 +116,7 @@ def test_logits_mode_arguments():
     with pytest.raises(SystemExit, match="at least 1"):
         P.parse_mode_args(["--rounds=0"])
     with pytest.raises(SystemExit, match="unknown arguments"):
-        P.main(["--rounds=2"])                       # only the logits mode takes arguments
+        P.main(["--rounds=2"])                  # only the logits and widths modes take them
 
 
 def test_base_source_swaps_only_topk_cu(tmp_path):
