@@ -155,10 +155,13 @@ def test_widths_straddle_r256_occupancy_steps():
     assert ok, log
     got = re.search(r"entry function 'cps_topk_r256'.*?(\d+) bytes smem", log, re.S)
     static = int(got.group(1))
+    threads = ktopk.VARIANTS["r256"][1]             # the rank counts: cnt, at, red
+    counts = 4 * (2 * threads + 2 * (threads // 32))
+    assert counts == 2112
     gains = {}
     for width in P.WIDTHS:
         dyn = ktopk.row_buffer_bytes(width)
-        old, new = P.ctas_per_sm(static, dyn), P.ctas_per_sm(static - 2112, dyn)
+        old, new = P.ctas_per_sm(static, dyn), P.ctas_per_sm(static - counts, dyn)
         assert new >= old
         gains[width] = (old, new)
     assert any(o == n for o, n in gains.values()), gains
