@@ -61,7 +61,8 @@ PHASES = (("adapt", "start", "r0_begin"), ("r0_histogram", "r0_begin", "r0_end")
           ("finish", "filter_end", "done"), ("total", "start", "done"),
           # adapt, split: the window's load and barrier; the statistics, R0's first
           # tile's loads issued and its histogram cleared, to a barrier; the transform
-          # (tk_adapt_warps: the first tile's wait falls in r0_histogram)
+          # (tk_adapt_warps in warp 0, then a barrier; the first tile's wait falls in
+          # r0_histogram)
           ("window", "start", "window"), ("stats", "window", "stats"),
           ("transform", "stats", "r0_begin"),
           # r0_select, split: the suffix sums (from thread 0's end of R0, so waiting for
@@ -121,10 +122,10 @@ TRACE = [
     ("        s.shift = bs_shift;\n    }\n    __syncthreads();\n",
      "        s.shift = bs_shift;\n    }\n    __syncthreads();\n"
      f"    {_STAMP}({EVENTS.index('window')});\n"),
-    ("    __syncthreads();\n    {   // every warp alike (no second barrier)",
+    ("    __syncthreads();\n    // Warp 0 chooses the transform",
      "    __syncthreads();\n"
      f"    {_STAMP}({EVENTS.index('stats')});\n"
-     "    {   // every warp alike (no second barrier)"),
+     "    // Warp 0 chooses the transform"),
     ("        const u32 excl = tk_round_suffix<THREADS>(s, h, loc, tid, lane, warp);\n",
      "        const u32 excl = tk_round_suffix<THREADS>(s, h, loc, tid, lane, warp);\n"
      f"        if (hb == 0 && need == (u32)k) {_STAMP}({EVENTS.index('r0_suffix')});\n"),

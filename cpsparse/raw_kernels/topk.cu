@@ -63,12 +63,13 @@
 #define TK_MAX_CLUSTER 16
 
 struct TkSmem {
-    u32 hist[2][TK_BINS];
+    u32 hist[2][TK_BINS];   // first, in a struct 8-byte aligned (pages): tk_find_cluster
+                            // reads even-indexed bin pairs as one 8-byte load
     u32 wtot[32];
     float wmean[32];   // tk_adapt's statistics of the row's first values, a warp each
     float wmax[32];
-    float scale[32];   // the coarse key's transform (tk_coarse), a copy a warp
-    float bias[32];
+    float scale;       // the coarse key's transform (tk_coarse), chosen by warp 0
+    float bias;
     u32 kmin, kmax;    // key range of R0's candidates (the fallback's first digit)
     u32 ckmin, ckmax;  // the same over the cluster
     u32 cursor;
@@ -90,6 +91,10 @@ struct TkSmem {
     // positions): the request's row of page ids, its length, log2 of the page size.
     const int* pages;
     int cols, shift;
+    // hist[b][64 l] for l < 32, contiguous: tk_find_cluster's first round reads these
+    // across the ranks; read in place, at a 64-word stride, all 32 lanes hit one bank of
+    // every rank's shared memory (32-way conflicts, C times).
+    u32 coarse[2][32];
 };
 
 // What a row writes for its in-window position pos: pos itself, or the global cache
@@ -293,7 +298,7 @@ __device__ __forceinline__ void tk_warp_stats(float4 v4, bool has_unit, int i0, 
 }
 
 // tk_adapt over the nw warps' statistics in shared memory (every lane of the calling
-// warp gets the transform; every warp computes the same one).
+// warp gets the transform; warp 0 calls it, then a barrier shares it).
 __device__ __forceinline__ void tk_adapt_warps(const float* wmean, const float* wmax, int lane,
                                                int nw, float& scale, float& bias) {
     const float wm = lane < nw ? wmean[lane] : 0.f;
@@ -555,18 +560,29 @@ __device__ __forceinline__ bool tk_decide_local(S& s, const u32 (&loc)[BPT], u32
 }
 
 // Warp 0 of each CTA of a cluster: threshold of the summed suffix arrays h
-// (this round's buffer in every rank), in two steps of 32 then 64 bins.
+// (this round's buffer in every rank), in two steps of 32 then 64 bins; coarse: the
+// same buffer's h[64 l], l < 32, stored contiguously (s.coarse, by select).
 template <int C>
-__device__ __forceinline__ void tk_find_cluster(TkSmem& s, const u32* h, u32 need, int rank,
-                                                int lane, int mode) {
+__device__ __forceinline__ void tk_find_cluster(TkSmem& s, const u32* h, const u32* coarse,
+                                                u32 need, int rank, int lane, int mode) {
     const u32 full = 0xffffffffu;
-    const u32 t1 = tk_sum_ranks<C>(h + 64 * lane);          // count in bins >= 64 lane
+    const u32 t1 = tk_sum_ranks<C>(coarse + lane);          // count in bins >= 64 lane
     const u32 m1 = __ballot_sync(full, t1 >= need);         // a prefix of lanes
     if (m1 == 0u) return;             // fewer counted than need: never (see the callers)
     const int S = 31 - __clz(m1);
     const u32 b0 = 64u * S + 2u * lane;
-    const u32 ta = tk_sum_ranks<C>(h + b0);
-    const u32 tb = tk_sum_ranks<C>(h + b0 + 1);
+    u32 ta = 0u, tb = 0u;                                   // bins b0 and b0 + 1: one
+    {                                                       // 8-byte load a rank
+        u64 v[C];
+#pragma unroll
+        for (int r = 0; r < C; ++r)
+            v[r] = tk_load_rank64<C>(reinterpret_cast<const u64*>(h + b0), (u32)r);
+#pragma unroll
+        for (int r = 0; r < C; ++r) {
+            ta += (u32)v[r];
+            tb += (u32)(v[r] >> 32);
+        }
+    }
     const u32 ma = __ballot_sync(full, ta >= need), mb = __ballot_sync(full, tb >= need);
     const int la = 31 - __clz(ma);
     const bool odd = (mb >> la) & 1u;
@@ -704,19 +720,22 @@ __device__ __forceinline__ void tk_body(TK_PARAMS) {
         s.kmax = 0u;
     }
     __syncthreads();
-    {   // every warp alike (no second barrier), into its own copy
+    // Warp 0 chooses the transform, then a barrier: computed by every warp alike (no
+    // barrier) its ~300 instructions a warp were issued 16 times an SM, about 1.1 us of
+    // every long row's path on the 16-warp variants (profile_topk's transform phase).
+    if (warp == 0) {
         float sc, bi;
         tk_adapt_warps(s.wmean, s.wmax, lane, NW, sc, bi);
         if (lane == 0) {
-            s.scale[warp] = sc;
-            s.bias[warp] = bi;
+            s.scale = sc;
+            s.bias = bi;
         }
-        __syncwarp();
     }
+    __syncthreads();
     // In registers for R0 and its filter pass (a shared-memory operand would be
     // re-read after every atomic); the rare fallback re-reads them, since holding
     // them through it spills (64 registers a thread).
-    const float cscale = s.scale[warp], cbias = s.bias[warp];
+    const float cscale = s.scale, cbias = s.bias;
 
     auto each = [&](int t, auto&& f) {
 #pragma unroll
@@ -745,8 +764,10 @@ __device__ __forceinline__ void tk_body(TK_PARAMS) {
         } else {
 #pragma unroll
             for (int j = 0; j < BPT; ++j) h[tid * BPT + j] = loc[j] + excl;
+            static_assert(64 % BPT == 0, "one thread holds bin 64 l");
+            if ((tid * BPT) % 64 == 0) s.coarse[hb][tid * BPT / 64] = loc[0] + excl;
             tk_cluster_sync<C>();
-            if (warp == 0) tk_find_cluster<C>(s, h, need, rank, lane, mode);
+            if (warp == 0) tk_find_cluster<C>(s, h, s.coarse[hb], need, rank, lane, mode);
         }
         __syncthreads();
     };
@@ -887,7 +908,7 @@ __device__ __forceinline__ void tk_body(TK_PARAMS) {
     // rescan of the slice, marked (tk_marks) so that f is inlined once.
     auto for_cands = [&](auto&& f) {
         if (src_glob) {
-            const float sc = s.scale[warp], bi = s.bias[warp];
+            const float sc = s.scale, bi = s.bias;
             // two float4 a thread in flight (no tile: the registers are not there)
             for (int v0 = v_lo + tid; v0 < v_hi; v0 += 2 * THREADS) {
                 float4 u[2];
