@@ -96,6 +96,8 @@ struct TkSmem {
     // every rank's shared memory (32-way conflicts, C times).
     u32 coarse[2][32];
 };
+static_assert(alignof(TkSmem) >= 8, "tk_find_cluster's 8-byte bin-pair loads need hist "
+                                    "8-byte aligned");
 
 // What a row writes for its in-window position pos: pos itself, or the global cache
 // slot of it, as cps_local_to_global_slots computes it (-1 for a position past the
@@ -720,9 +722,9 @@ __device__ __forceinline__ void tk_body(TK_PARAMS) {
         s.kmax = 0u;
     }
     __syncthreads();
-    // Warp 0 chooses the transform, then a barrier: computed by every warp alike (no
-    // barrier) its ~300 instructions a warp were issued 16 times an SM, about 1.1 us of
-    // every long row's path on the 16-warp variants (profile_topk's transform phase).
+    // Warp 0 chooses the transform, then a barrier shares it, as r256 does. (Every warp
+    // computing it alike spared the barrier; the phase, 1.1 us, is one warp's latency
+    // either way: tk_adapt's median ranks.)
     if (warp == 0) {
         float sc, bi;
         tk_adapt_warps(s.wmean, s.wmax, lane, NW, sc, bi);
